@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP gateway (the only package that imports `fastapi`)."""

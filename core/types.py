@@ -1,0 +1,132 @@
+"""Request, sampling and output types that cross package boundaries."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+
+def new_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request turns logits into tokens and when it stops."""
+
+    max_tokens: int = 16
+    """Most tokens to generate (the first token, sampled by prefill, counts)."""
+    temperature: float = 0.0
+    """0 means greedy; otherwise logits are divided by it before sampling."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 keeps all."""
+    seed: int | None = None
+    """Seed of this request's sampler; with a seed, sampling is reproducible everywhere."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end the request (besides the model's end-of-sequence tokens)."""
+    ignore_eos: bool = False
+    """Keep generating past end-of-sequence tokens."""
+    logprobs: int | None = None
+    """Return the log-probability of each chosen token and of this many top alternatives."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be between 0 and 20")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A prompt to complete: what the router hands to prefill."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One token chosen by the sampler, with its log-probabilities when asked for."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token of one request, as streamed back to the caller."""
+
+    request_id: str
+    index: int
+    """Position of this token among the generated ones (0 = the token prefill sampled)."""
+    token: SampledToken
+    finish_reason: str | None = None
+    """`stop` (end-of-sequence or stop token), `length` (max_tokens), `abort`, or None while running."""
+
+
+class HisparseError(Exception):
+    """Base of the errors this project raises on purpose; `status` is the HTTP status it maps to."""
+
+    status = 500
+    kind = "internal_error"
+
+
+class InvalidRequestError(HisparseError):
+    """The caller asked for something impossible (bad values, prompt too long)."""
+
+    status = 400
+    kind = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class CapacityError(HisparseError):
+    """No worker can take the request now; retrying later may succeed."""
+
+    status = 503
+    kind = "server_overloaded"
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class NeverFitsError(InvalidRequestError):
+    """The request is larger than any decode worker's whole device budget."""
+
+
+class RequestAborted(HisparseError):
+    status = 499
+    kind = "request_aborted"
+
+
+class WorkerUnavailable(HisparseError):
+    """No live worker of the needed role is left."""
+
+    status = 503
+    kind = "service_unavailable"
+
+
+def finish_reason(token_id: int, num_generated: int, params: SamplingParams, eos_ids: tuple[int, ...]) -> str | None:
+    """Why a request stops after generating `token_id` as its `num_generated`-th token, or None to go on."""
+    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_ids):
+        return "stop"
+    if num_generated >= params.max_tokens:
+        return "length"
+    return None

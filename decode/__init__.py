@@ -1,0 +1,1 @@
+"""The decode worker: admission under a device budget, continuous batching, sampling, stops, aborts."""

@@ -1,0 +1,48 @@
+"""Torch reference of attention with a per-head sink, over gathered rows or a dense mask.
+
+Softmax with sink: p_j = exp(s_j) / (sum_i exp(s_i) + exp(z_h)); the sink only absorbs mass.
+Keys and values are the same vectors (V4 shares one KV head).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def softmax_with_sink(logits: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """`logits` [..., heads, keys] (masked with -inf) -> probabilities over keys, sink dropped."""
+    sink = sinks.to(logits.dtype).view(-1, 1).expand(*logits.shape[:-1], 1)
+    combined = torch.cat((logits, sink), dim=-1)
+    combined = combined - combined.amax(dim=-1, keepdim=True)
+    return torch.softmax(combined, dim=-1)[..., :-1]
+
+
+def gather_rows(segments: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate `pool[rows]` of every segment: ([batch, len, dim] values, [batch, len] validity)."""
+    values, valid = [], []
+    for pool, rows in segments:
+        ok = rows >= 0
+        values.append(pool[rows.clamp(min=0)])
+        valid.append(ok)
+    return torch.cat(values, dim=1), torch.cat(valid, dim=1)
+
+
+def sparse_attention_ref(
+    q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query per batch row: q [batch, heads, dim] over the rows named by `segments` -> [batch, heads, dim]."""
+    kv, valid = gather_rows(segments)  # [batch, len, dim], [batch, len]
+    logits = torch.einsum("bhd,bld->bhl", q, kv.to(q.dtype)) * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = softmax_with_sink(logits, sinks)
+    return torch.einsum("bhl,bld->bhd", probs, kv.to(q.dtype))
+
+
+def masked_attention_ref(
+    q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Many queries over one key set: q [tokens, heads, dim], kv [keys, dim], visible [tokens, keys]."""
+    logits = torch.einsum("thd,kd->thk", q, kv.to(q.dtype)) * scale
+    logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
+    probs = softmax_with_sink(logits, sinks)
+    return torch.einsum("thk,kd->thd", probs, kv.to(q.dtype))

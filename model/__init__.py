@@ -1,0 +1,1 @@
+"""The DeepSeek-V4 model: config parsing, layers, checkpoint loading, tokenizers, the built-in model."""

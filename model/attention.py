@@ -1,0 +1,147 @@
+"""How tokens see each other in one attention layer: prefill over a layout, batched decode over a `DecodeKV`.
+
+For query t the visible set is the window (raw keys of positions t-W < j <= t), plus for HCA every
+complete entry (w < (t+1)//rate) and for CSA the top-k complete entries the indexer picks; one softmax
+with the per-head sink covers all of it. Entries appear as soon as their window completes, so the
+completing token already sees them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cachetier.batch import INDEX, MAIN, DecodeKV
+from cachetier.layout import C4, HCA_ENTRIES, INDEX_KEYS, CompressorState, LayerKV
+from core.config import CSA, HCA
+from kernels.attention import sparse_attention
+from kernels.attention_ref import masked_attention_ref
+from model.layers import Attention, Compressor, select_topk
+from model.rope import Rotary
+
+
+def compress_segment(
+    comp: Compressor, state: CompressorState, kv: torch.Tensor, score: torch.Tensor, start: int, rot: Rotary
+) -> tuple[torch.Tensor, CompressorState]:
+    """Feed tokens at positions start.. into a compressor: (new entries [n, dim], rotated; the new state).
+
+    Windows are aligned to absolute positions (multiples of the rate), never to chunk boundaries.
+    """
+    m = comp.rate
+    pending = start % m
+    all_kv = torch.cat((state.kv[:pending], kv))
+    all_score = torch.cat((state.score[:pending], score))
+    n_new = all_kv.shape[0] // m
+    used = n_new * m
+    new_state = CompressorState(torch.zeros_like(state.kv), torch.zeros_like(state.score), state.prev_kv, state.prev_score)
+    rest = all_kv.shape[0] - used
+    new_state.kv[:rest] = all_kv[used:]
+    new_state.score[:rest] = all_score[used:]
+    if n_new == 0:
+        return kv.new_zeros(0, comp.dim), new_state
+    win_kv, win_score = all_kv[:used].unflatten(0, (n_new, m)), all_score[:used].unflatten(0, (n_new, m))
+    prev_kv = prev_score = None
+    if comp.overlapped:
+        d = comp.dim
+        prev_kv = torch.cat((state.prev_kv[None], win_kv[:-1, :, :d]))
+        prev_score = torch.cat((state.prev_score[None], win_score[:-1, :, :d]))
+        new_state.prev_kv = win_kv[-1, :, :d].clone()
+        new_state.prev_score = win_score[-1, :, :d].clone()
+    entries = comp.pool(win_kv, win_score, prev_kv, prev_score)
+    first = start - pending
+    positions = first + torch.arange(n_new, device=kv.device) * m
+    return rot.apply(entries, positions), new_state
+
+
+def prefill_layer(
+    attn: Attention, lk: LayerKV, x: torch.Tensor, start: int, rot: Rotary, window: int
+) -> torch.Tensor:
+    """One layer over tokens at positions start..start+L-1 of one request; advances `lk` in place."""
+    L = x.shape[0]
+    pos = torch.arange(start, start + L, device=x.device)
+
+    def rotate(t):
+        return rot.apply(t, pos)
+
+    q, key, latent = attn.project(x, rotate)
+
+    # Window: the ring's earlier keys (chronological) followed by this chunk's keys.
+    old_pos = torch.arange(max(0, start - window + 1), start, device=x.device)
+    keys = torch.cat((lk.window[old_pos % window], key))
+    key_pos = torch.cat((old_pos, pos))
+    visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - window)
+    tail = pos[-window:]
+    lk.window[tail % window] = key[-window:]
+
+    if attn.compressor is not None:
+        comp = attn.compressor
+        kv, score = comp.project(x, pos)
+        new, lk.compressor = compress_segment(comp, lk.compressor, kv, score, start, rot)
+        lk.entries = torch.cat((lk.entries, new))
+        n = lk.entries.shape[0]
+        complete = torch.arange(n, device=x.device)[None, :] < ((pos + 1) // comp.rate)[:, None]  # [L, n]
+        if attn.kind == HCA:
+            chosen = complete
+        else:
+            idx = attn.indexer
+            ikv, iscore = idx.compressor.project(x, pos)
+            new_keys, lk.index_compressor = compress_segment(idx.compressor, lk.index_compressor, ikv, iscore, start, rot)
+            lk.index_keys = torch.cat((lk.index_keys, new_keys))
+            qi, w = idx.queries(latent, x, rotate)
+            ids = select_topk(idx.scores(qi, w, lk.index_keys), complete, idx.topk)  # [L, k]
+            chosen = torch.zeros(L, n + 1, dtype=torch.bool, device=x.device)
+            chosen.scatter_(1, torch.where(ids >= 0, ids, n), True)
+            chosen = chosen[:, :n]
+        keys = torch.cat((keys, lk.entries))
+        visible = torch.cat((visible, chosen), dim=1)
+
+    o = masked_attention_ref(q, keys, visible, attn.attn_sink, attn.scale)
+    return attn.output(o, lambda t: rot.apply(t, pos, inverse=True))
+
+
+def _compress_step(
+    comp: Compressor, store: DecodeKV, layer: int, name: str, kind: str, x: torch.Tensor, rot: Rotary
+) -> None:
+    """Append this step's token to a compressor's tail; emit an entry for every request whose window completed."""
+    pos = store.positions
+    kv, score = comp.project(x, pos)
+    store.write_tail(layer, name, kv, score)
+    rows = torch.nonzero((pos + 1) % comp.rate == 0).flatten()
+    if rows.numel() == 0:
+        return
+    win_kv, win_score = store.tail_windows(layer, name, rows)
+    prev_kv = prev_score = None
+    if comp.overlapped:
+        prev_kv, prev_score = store.overlap(layer, name, rows)
+    entries = rot.apply(comp.pool(win_kv, win_score, prev_kv, prev_score), pos[rows] + 1 - comp.rate)
+    store.append_entries(layer, kind, rows, entries)
+    if comp.overlapped:
+        d = comp.dim
+        store.set_overlap(layer, name, rows, win_kv[..., :d], win_score[..., :d])
+
+
+def decode_layer(attn: Attention, store: DecodeKV, layer: int, x: torch.Tensor, rot: Rotary) -> torch.Tensor:
+    """One layer for one new token per request (x [batch, hidden]), through the store."""
+    pos = store.positions
+
+    def rotate(t):
+        return rot.apply(t, pos)
+
+    q, key, latent = attn.project(x, rotate)
+    segments = [store.write_window(layer, key)]
+    if attn.kind == HCA:
+        _compress_step(attn.compressor, store, layer, MAIN, HCA_ENTRIES, x, rot)
+        seg = store.hca_segment(layer)
+        if seg.rows.shape[1]:
+            segments.append(seg)
+    elif attn.kind == CSA:
+        idx = attn.indexer
+        _compress_step(attn.compressor, store, layer, MAIN, C4, x, rot)
+        _compress_step(idx.compressor, store, layer, INDEX, INDEX_KEYS, x, rot)
+        keys, counts = store.index_keys(layer)
+        if keys.shape[1]:
+            qi, w = idx.queries(latent, x, rotate)
+            visible = torch.arange(keys.shape[1], device=x.device)[None, :] < counts[:, None]
+            ids = select_topk(idx.scores(qi, w, keys), visible, idx.topk)  # [batch, k]
+            segments.append(store.c4_segment(layer, ids))
+    o = sparse_attention(q, [(s.pool, s.rows) for s in segments], attn.attn_sink, attn.scale)
+    return attn.output(o, lambda t: rot.apply(t, pos, inverse=True))

@@ -1,0 +1,149 @@
+"""The DeepSeek-V4 model with its two entry points over KV layouts.
+
+- `prefill`: tokens (and optionally an existing layout, to resume at any position) -> logits + layout.
+- `decode_step`: one token per request of a batch, through a `DecodeKV` -> logits; storage advances.
+
+Token-wise parts (embedding, hyper-connections, norms, MoE, head) run on all tokens of a batch at
+once; attention is per request in prefill and batched through the store in decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from cachetier.batch import DecodeKV, LayoutBatch
+from cachetier.layout import KVLayout
+from core.config import ModelConfig
+from model.attention import decode_layer, prefill_layer
+from model.layers import Attention, MoE, RMSNorm, hc_merge, hc_weights, linear, rms
+from model.rope import rope_kind, rotaries
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        hc, h = cfg.hc_mult, cfg.hidden_size
+        mix = (2 + hc) * hc
+        self.attn_norm, self.ffn_norm = RMSNorm(h, cfg.rms_norm_eps), RMSNorm(h, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer)
+        self.ffn = MoE(cfg, layer)
+        self.hc_attn_fn = nn.Parameter(torch.zeros(mix, hc * h, dtype=torch.float32))
+        self.hc_attn_base = nn.Parameter(torch.zeros(mix, dtype=torch.float32))
+        self.hc_attn_scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+        self.hc_ffn_fn = nn.Parameter(torch.zeros(mix, hc * h, dtype=torch.float32))
+        self.hc_ffn_base = nn.Parameter(torch.zeros(mix, dtype=torch.float32))
+        self.hc_ffn_scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+
+AttendFn = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+class V4Model(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, hc = cfg.hidden_size, cfg.hc_mult
+        self.embed = nn.Embedding(cfg.vocab_size, h)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.head = linear(h, cfg.vocab_size)
+        self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * h, dtype=torch.float32))
+        self.hc_head_base = nn.Parameter(torch.zeros(hc, dtype=torch.float32))
+        self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+        self.rope = rotaries(cfg)
+        self._rot = [self.rope[rope_kind(cfg, i)] for i in range(cfg.num_layers)]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def _run(self, token_ids: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        """Token-wise trunk over `token_ids` [tokens]; `attend(layer, x)` supplies attention -> logits [tokens, vocab]."""
+        cfg = self.cfg
+        x = self.embed(token_ids)
+        streams = x.unsqueeze(-2).expand(-1, cfg.hc_mult, -1).contiguous()  # [tokens, hc, hidden]
+        for i, blk in enumerate(self.layers):
+            post, comb, c = hc_weights(streams, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale, cfg)
+            streams = hc_merge(streams, attend(i, blk.attn_norm(c)), post, comb)
+            post, comb, c = hc_weights(streams, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale, cfg)
+            streams = hc_merge(streams, blk.ffn(blk.ffn_norm(c), token_ids), post, comb)
+        flat = rms(streams.flatten(-2).float(), cfg.rms_norm_eps)
+        pre = torch.sigmoid(flat @ self.hc_head_fn.float().T * self.hc_head_scale.float() + self.hc_head_base.float())
+        pre = pre + cfg.hc_eps
+        hidden = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+        return self.head(self.norm(hidden)).float()
+
+    def new_layout(self) -> KVLayout:
+        return KVLayout.empty(self.cfg, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def prefill_batch(
+        self, items: Sequence[tuple[Sequence[int] | torch.Tensor, KVLayout | None]], last_only: bool = False
+    ) -> tuple[list[torch.Tensor], list[KVLayout]]:
+        """Prefill several requests at once. Each item is (new tokens, existing layout or None).
+
+        Existing layouts are advanced in place. Returns per request the logits [tokens, vocab]
+        (or [1, vocab] of the last token with `last_only`) and its layout.
+        """
+        ids, layouts, spans = [], [], []
+        offset = 0
+        for tokens, layout in items:
+            t = torch.as_tensor(tokens, dtype=torch.long, device=self.device).flatten()
+            if t.numel() == 0:
+                raise ValueError("prefill needs at least one token per request")
+            layout = layout if layout is not None else self.new_layout()
+            if layout.num_tokens + t.numel() > self.cfg.max_position_embeddings:
+                raise ValueError(
+                    f"{layout.num_tokens + t.numel()} tokens exceed the model's "
+                    f"max_position_embeddings ({self.cfg.max_position_embeddings})"
+                )
+            ids.append(t)
+            layouts.append(layout)
+            spans.append((offset, offset + t.numel()))
+            offset += t.numel()
+        starts = [lay.num_tokens for lay in layouts]
+        w = self.cfg.sliding_window
+
+        def attend(i: int, x: torch.Tensor) -> torch.Tensor:
+            blk = self.layers[i]
+            outs = [
+                prefill_layer(blk.attn, lay.layers[i], x[a:b], s, self._rot[i], w)
+                for lay, (a, b), s in zip(layouts, spans, starts)
+            ]
+            return torch.cat(outs)
+
+        logits = self._run(torch.cat(ids), attend)
+        out = []
+        for lay, (a, b) in zip(layouts, spans):
+            lay.num_tokens += b - a
+            out.append(logits[b - 1 : b] if last_only else logits[a:b])
+        return out, layouts
+
+    def prefill(
+        self, tokens: Sequence[int] | torch.Tensor, layout: KVLayout | None = None, last_only: bool = False
+    ) -> tuple[torch.Tensor, KVLayout]:
+        logits, layouts = self.prefill_batch([(tokens, layout)], last_only=last_only)
+        return logits[0], layouts[0]
+
+    @torch.inference_mode()
+    def decode_step(self, store: DecodeKV, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """One token per request (at `store.positions`) -> logits [batch, vocab]; the store advances."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).flatten()
+
+        def attend(i: int, x: torch.Tensor) -> torch.Tensor:
+            return decode_layer(self.layers[i].attn, store, i, x, self._rot[i])
+
+        logits = self._run(ids, attend)
+        store.finish_step()
+        return logits
+
+    def decode_layouts(self, layouts: list[KVLayout], token_ids: Sequence[int]) -> torch.Tensor:
+        """`decode_step` over plain layouts (everything resident), advancing them in place."""
+        return self.decode_step(LayoutBatch(self.cfg, layouts), token_ids)

@@ -1,0 +1,170 @@
+"""Tokenizers: a model directory's `tokenizer.json` (read with the `tokenizers` package), its chat template,
+incremental detokenization for streaming, and the byte-level tokenizer of the built-in model."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
+USER, ASSISTANT, SYSTEM = "<|user|>", "<|assistant|>", "<|system|>"
+BYTE_SPECIALS = (BOS, EOS, PAD, USER, ASSISTANT, SYSTEM)
+
+# The built-in model's template: role markers are single tokens, the reply follows the assistant marker.
+SIMPLE_CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}<|system|>{% elif m['role'] == 'user' %}<|user|>"
+    "{% else %}<|assistant|>{% endif %}{{ m['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus what serving needs: special ids, chat template, byte-safe streaming."""
+
+    def __init__(self, inner: _HFTokenizer, config: dict | None = None) -> None:
+        self.inner = inner
+        self.config = config or {}
+        self.bos_token = self._special("bos_token")
+        self.eos_token = self._special("eos_token")
+        self.chat_template = self.config.get("chat_template")
+
+    def _special(self, key: str) -> str | None:
+        v = self.config.get(key)
+        if isinstance(v, dict):
+            v = v.get("content")
+        return v
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.inner.token_to_id(token)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        i = self.token_id(self.eos_token)
+        return () if i is None else (i,)
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = self.inner.encode(text, add_special_tokens=False).ids
+        bos = self.token_id(self.bos_token)
+        if add_bos and bos is not None and self.config.get("add_bos_token", True):
+            ids = [bos, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self.inner.decode(list(ids), skip_special_tokens=skip_special)
+
+    def apply_chat_template(self, messages: list[ChatMessage] | list[dict]) -> str:
+        """Render messages into a prompt that ends where the assistant's reply begins."""
+        if not self.chat_template:
+            raise TokenizerError("this model's tokenizer has no chat template; use /v1/completions")
+        import jinja2.sandbox
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        msgs = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=msgs, add_generation_prompt=True, bos_token=self.bos_token or "", eos_token=self.eos_token or ""
+            )
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"chat template failed: {e}") from None
+
+    def save(self, model_dir: str | Path) -> None:
+        d = Path(model_dir)
+        self.inner.save(str(d / "tokenizer.json"))
+        (d / "tokenizer_config.json").write_text(json.dumps(self.config, indent=2) + "\n")
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text pieces without splitting a UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text that became final with it (possibly empty)."""
+        self.ids.append(token_id)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
+            return ""
+        piece = text[len(self.emitted):] if text.startswith(self.emitted) else text
+        self.emitted = text
+        return piece
+
+    def flush(self) -> str:
+        text = self.tok.decode(self.ids)
+        piece = text[len(self.emitted):] if text.startswith(self.emitted) else ""
+        self.emitted = text
+        return piece
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
+    """The tokenizer of a model directory, or None when it ships none (token-id prompts only)."""
+    d = Path(model_dir)
+    path = d / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        inner = _HFTokenizer.from_file(str(path))
+    except Exception as e:
+        raise TokenizerError(f"cannot read {path}: {e}") from None
+    config = {}
+    cfg_path = d / "tokenizer_config.json"
+    if cfg_path.is_file():
+        try:
+            config = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as e:
+            raise TokenizerError(f"{cfg_path} is not valid JSON: {e}") from None
+    return Tokenizer(inner, config)
+
+
+def _byte_chars() -> list[str]:
+    """The printable character standing for each byte in byte-level BPE (GPT-2's remapping), by byte value."""
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+def byte_level_tokenizer() -> Tokenizer:
+    """One token per byte (id = 6 + byte value) after six special tokens; 262 ids in all."""
+    vocab = {tok: i for i, tok in enumerate(BYTE_SPECIALS)}
+    for c in _byte_chars():
+        vocab[c] = len(vocab)
+    inner = _HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    inner.decoder = decoders.ByteLevel()
+    inner.add_special_tokens(list(BYTE_SPECIALS))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": PAD,
+        "add_bos_token": True,
+        "chat_template": SIMPLE_CHAT_TEMPLATE,
+    }
+    return Tokenizer(inner, config)

@@ -1,0 +1,1 @@
+"""The prefill worker: batches prompts, runs chunked prefill, builds layouts, samples first tokens."""

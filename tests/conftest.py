@@ -1,0 +1,36 @@
+"""Shared test set-up: offline HF, a private model cache, the built-in model directory."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory):
+    """Every test session writes the built-in model into its own cache folder."""
+    if "HISPARSE_CACHE" not in os.environ:
+        os.environ["HISPARSE_CACHE"] = str(tmp_path_factory.mktemp("hisparse-cache"))
+    yield
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(_private_cache):
+    from model.builtin import ensure_builtin
+
+    return ensure_builtin()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_dir):
+    from model.loader import load_model
+
+    return load_model(tiny_dir)
