@@ -29,11 +29,9 @@ class DeviceInfo:
 
 
 def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except Exception:
-        return False
-    return True
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
 
 
 @cache
