@@ -28,6 +28,67 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
 
+def _on_off(s: str) -> bool:
+    if s.lower() in ("on", "true", "1", "yes"):
+        return True
+    if s.lower() in ("off", "false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected on or off, got {s!r}")
+
+
+def _bytes(s: str) -> int:
+    from core.roles import parse_bytes
+
+    try:
+        return parse_bytes(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _add_tier(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("KV tier (decode side)")
+    t.add_argument("--offload", type=_on_off, default=True, metavar="on|off",
+                   help="keep C4 entries in host memory with a device hot buffer (default on)")
+    t.add_argument("--hot-buffer-slots", type=int, default=None, metavar="B",
+                   help="LRU hot-buffer slots per request and CSA layer (default 2 x index_topk)")
+    t.add_argument("--reserved-slots", type=int, default=8, help="hot-buffer slots for the newest C4 entries (default 8)")
+    t.add_argument("--device-budget", type=_bytes, default=256 * 2**20, metavar="BYTES",
+                   help="device bytes for KV (e.g. 2GiB; default 256MiB)")
+    t.add_argument("--host-pool-bytes", type=_bytes, default=None, metavar="BYTES",
+                   help="host bytes for the C4 pool (default 8 x the device budget)")
+    t.add_argument("--block-tokens", type=int, default=None, help="tokens per classical KV block")
+    t.add_argument("--max-running", type=int, default=64, help="most requests decoding at once per decode worker")
+
+
+def tier_config(args: argparse.Namespace):
+    from core.roles import TierConfig
+
+    return TierConfig(
+        offload=args.offload, hot_buffer_slots=args.hot_buffer_slots, reserved_slots=args.reserved_slots,
+        device_budget_bytes=args.device_budget, host_pool_bytes=args.host_pool_bytes,
+        block_tokens=args.block_tokens, max_running=args.max_running,
+    )
+
+
+def serve_config(args: argparse.Namespace):
+    from core.roles import ClusterConfig, PrefillConfig, ServeConfig, ServerConfig
+
+    return ServeConfig(
+        model=args.model,
+        tier=tier_config(args),
+        prefill=PrefillConfig(max_batch_tokens=args.max_batch_tokens, layout_lease_s=args.layout_lease_s),
+        cluster=ClusterConfig(
+            address=args.address, num_prefill=args.num_prefill, num_decode=args.num_decode,
+            prefill_num_cpus=args.prefill_num_cpus, decode_num_cpus=args.decode_num_cpus,
+            prefill_num_gpus=args.prefill_num_gpus, decode_num_gpus=args.decode_num_gpus,
+            placement=args.placement or ("any" if args.address is None else "resources"),
+            max_restarts=args.max_restarts, transport=args.transport,
+        ),
+        server=ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
+                            max_concurrent_requests=args.max_concurrent_requests),
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hisparse", description="Serve DeepSeek-V4-style sparse-attention models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -40,9 +101,33 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", type=_int_list, help="prompt as comma-separated token ids, e.g. 1,2,3")
     g.add_argument("--json", action="store_true", help="print one JSON object")
     _add_sampling(g)
+    _add_tier(g)
 
     s = sub.add_parser("serve", help="start the cluster and the OpenAI-compatible HTTP server")
     s.add_argument("--model", default="tiny", help="`tiny` (built-in) or a model directory")
+    s.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    s.add_argument("--served-model-name", default=None, help="model name the API answers to")
+    s.add_argument("--max-concurrent-requests", type=int, default=512, help="in-flight requests before 429")
+    c = s.add_argument_group("cluster")
+    c.add_argument("--address", default=None,
+                   help="Ray cluster to join (auto, host:6379); omitted: start an embedded local Ray instance")
+    c.add_argument("--num-prefill", type=int, default=1, help="prefill actors (default 1)")
+    c.add_argument("--num-decode", type=int, default=1, help="decode actors (default 1)")
+    c.add_argument("--prefill-num-cpus", type=float, default=1.0)
+    c.add_argument("--decode-num-cpus", type=float, default=1.0)
+    c.add_argument("--prefill-num-gpus", type=float, default=0.0)
+    c.add_argument("--decode-num-gpus", type=float, default=0.0)
+    c.add_argument("--placement", choices=["resources", "any"], default=None,
+                   help="resources: actors need the node resources hisparse_prefill / hisparse_decode "
+                        "(default when joining a cluster); any: anywhere (default for the embedded instance)")
+    c.add_argument("--max-restarts", type=int, default=3, help="restarts of a dead actor (default 3)")
+    c.add_argument("--transport", choices=["object_store", "nccl", "nixl"], default="object_store",
+                   help="layout handoff transport (default: the Ray object store)")
+    c.add_argument("--max-batch-tokens", type=int, default=2048, help="prompt tokens per prefill forward")
+    c.add_argument("--layout-lease-s", type=float, default=30.0,
+                   help="free a prefilled layout not picked up within this many seconds")
+    _add_tier(s)
 
     return parser
 

@@ -3,7 +3,9 @@
 Its weights are random but fixed by a seed; it is written as an HF-style directory (config.json,
 model.safetensors, tokenizer.json) under the cache folder and loaded by the same loader as any
 checkpoint. The geometry keeps CSA meaningful: at a few hundred tokens there are several times more
-C4 entries than `index_topk`, and the HCA rate is small enough to emit entries early.
+C4 entries than `index_topk`, and the HCA rate is small enough to emit entries early. Widths keep
+V4's proportions where the tier cares (indexer keys a quarter of an entry, HCA far sparser than C4),
+so the device/host split behaves like the real model's.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from model.tokenizer import byte_level_tokenizer
 log = logging.getLogger(__name__)
 
 BUILTIN = "tiny"
-_VERSION = "v1"
+_VERSION = "v2"
 SEED = 20261130
 
 
@@ -35,15 +37,15 @@ def tiny_config() -> ModelConfig:
         layer_types=(SLIDING, CSA, HCA, CSA),
         num_heads=4,
         head_dim=64,
-        rope_head_dim=16,
+        rope_head_dim=8,
         q_lora_rank=64,
         o_groups=2,
         o_lora_rank=32,
         sliding_window=32,
         csa_rate=4,
-        hca_rate=16,
+        hca_rate=32,
         index_n_heads=8,
-        index_head_dim=32,
+        index_head_dim=16,
         index_topk=16,
         rope_theta=10000.0,
         compress_rope_theta=160000.0,
