@@ -1,0 +1,158 @@
+"""Sizes and offsets of the device arena: pages, state groups, host blocks, byte budget.
+
+All KV data sits in one flat device tensor. A *page* holds one classical block: for `block_tokens`
+tokens the indexer keys of every CSA layer, the HCA entries of every HCA layer and — only with the
+tier off — the C4 entries of every CSA layer. A request's fixed-size *state* (window rings of every
+layer, compressor tails and overlaps, and with the tier on its hot buffers) fills a group of
+consecutive pages. Every field starts at an element offset that is a multiple of every row width in
+use, so the arena can be viewed as rows of any of those widths and a row index is simply
+(element offset / width).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from core.config import ModelConfig
+from core.roles import TierConfig, format_bytes
+
+
+class BudgetTooSmall(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Field:
+    offset: int
+    """Element offset from the start of the page (block fields) or of the group (state fields)."""
+    shape: tuple[int, ...]
+    width: int
+    """Row width: the last axis."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def row(self, base_elems, local_row):
+        """Row index in the arena viewed as rows of `width`."""
+        return (base_elems + self.offset) // self.width + local_row
+
+
+def default_block_tokens(cfg: ModelConfig) -> int:
+    unit = math.lcm(cfg.csa_rate, cfg.hca_rate)
+    return unit * max(1, math.ceil(256 / unit))
+
+
+class Geometry:
+    """Everything about the arena's shape, derived from the model config and the tier config."""
+
+    def __init__(self, cfg: ModelConfig, tier: TierConfig, dtype: torch.dtype) -> None:
+        self.cfg, self.tier, self.dtype = cfg, tier, dtype
+        self.offload = tier.offload
+        self.elem = torch.empty((), dtype=dtype).element_size()
+        d, di, w = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
+        self.d, self.di, self.window = d, di, w
+        self.csa_layers, self.hca_layers = cfg.csa_layers, cfg.hca_layers
+        self.csa_index = {layer: j for j, layer in enumerate(self.csa_layers)}
+        self.hca_index = {layer: j for j, layer in enumerate(self.hca_layers)}
+        n_csa, n_hca = len(self.csa_layers), len(self.hca_layers)
+        self.block_tokens = tier.block_tokens or default_block_tokens(cfg)
+        if self.block_tokens % cfg.csa_rate or self.block_tokens % cfg.hca_rate:
+            raise ValueError(f"block_tokens {self.block_tokens} must be a multiple of {cfg.csa_rate} and {cfg.hca_rate}")
+        self.e4 = self.block_tokens // cfg.csa_rate
+        self.eh = self.block_tokens // cfg.hca_rate
+        self.lru = tier.hot_buffer_slots if tier.hot_buffer_slots is not None else 2 * cfg.index_topk
+        if self.offload and n_csa and self.lru < cfg.index_topk:
+            raise ValueError(f"hot_buffer_slots ({self.lru}) must be at least index_topk ({cfg.index_topk}): "
+                             "a step's selection has to fit in the hot buffer")
+        self.reserved = tier.reserved_slots if self.offload else 0
+        if self.reserved < 0:
+            raise ValueError("reserved_slots must be >= 0")
+        self.hot_slots = self.lru + self.reserved
+        self.align = math.lcm(d, 2 * d, di, 2 * di)
+
+        # page (= one classical block) layout
+        self.block_fields: dict[str, Field] = {}
+        off = 0
+        for name, shape in (("index_keys", (n_csa, self.e4, di)), ("hca", (n_hca, self.eh, d)),
+                            ("c4", (n_csa, self.e4, d) if not self.offload else None)):
+            if shape is None or math.prod(shape) == 0:
+                continue
+            self.block_fields[name] = Field(off, shape, shape[-1])
+            off = self._aligned(off + math.prod(shape))
+        self.page_elems = max(off, self.align)
+
+        # state group layout
+        self.state_fields: dict[str, Field] = {}
+        off = 0
+
+        def add(name: str, shape: tuple[int, ...]) -> None:
+            nonlocal off
+            self.state_fields[name] = Field(off, shape, shape[-1])
+            off = self._aligned(off + math.prod(shape))
+
+        add("swa", (cfg.num_layers, w, d))
+        m = cfg.csa_rate
+        for layer in self.csa_layers:
+            for comp, width in (("main", d), ("index", di)):
+                add(f"{layer}.{comp}.kv", (m, 2 * width))
+                add(f"{layer}.{comp}.score", (m, 2 * width))
+                add(f"{layer}.{comp}.prev_kv", (m, width))
+                add(f"{layer}.{comp}.prev_score", (m, width))
+        for layer in self.hca_layers:
+            add(f"{layer}.main.kv", (cfg.hca_rate, d))
+            add(f"{layer}.main.score", (cfg.hca_rate, d))
+        if self.offload and n_csa:
+            add("hot", (n_csa, self.hot_slots, d))
+        self.state_elems = off
+        self.group_pages = max(1, math.ceil(self.state_elems / self.page_elems))
+
+        # bytes: pages carry the entry->slot map with the tier; groups carry hot-buffer bookkeeping
+        self.map_bytes_per_page = n_csa * self.e4 * 4 if self.offload else 0
+        self.meta_bytes_per_group = n_csa * (self.hot_slots * 8 + self.lru * 8) if self.offload else 0
+        self.page_bytes = self.page_elems * self.elem + self.map_bytes_per_page
+        self.host_block_bytes = n_csa * self.e4 * d * self.elem if self.offload else 0
+
+        budget = tier.device_budget_bytes
+        per_page = self.page_bytes + self.meta_bytes_per_group / self.group_pages
+        n = int(budget // per_page)
+        n -= n % self.group_pages
+        while n > 0 and self.device_bytes(n) > budget:
+            n -= self.group_pages
+        if n < 2 * self.group_pages:
+            raise BudgetTooSmall(
+                f"a device budget of {format_bytes(budget)} holds {n} pages; one request needs at least "
+                f"{self.group_pages + 1} ({format_bytes(self.request_device_bytes(1))}); raise --device-budget"
+            )
+        self.num_pages = n
+        self.num_groups = n // self.group_pages
+        host_bytes = tier.host_pool_bytes if tier.host_pool_bytes is not None else 8 * budget
+        self.num_host_blocks = int(host_bytes // self.host_block_bytes) if self.offload and self.host_block_bytes else 0
+
+    def _aligned(self, n: int) -> int:
+        return -(-n // self.align) * self.align
+
+    def device_bytes(self, num_pages: int) -> int:
+        return num_pages * self.page_bytes + (num_pages // self.group_pages) * self.meta_bytes_per_group
+
+    def blocks_for(self, tokens: int) -> int:
+        return max(1, -(-tokens // self.block_tokens))
+
+    def request_device_bytes(self, num_blocks: int) -> int:
+        """Device bytes one request holds: its state group and its blocks (with their bookkeeping)."""
+        return (self.group_pages + num_blocks) * self.page_bytes + self.meta_bytes_per_group
+
+    def request_host_bytes(self, num_blocks: int) -> int:
+        return num_blocks * self.host_block_bytes
+
+    def describe(self) -> dict:
+        return {
+            "offload": self.offload, "block_tokens": self.block_tokens, "page_bytes": self.page_bytes,
+            "group_pages": self.group_pages, "num_pages": self.num_pages, "num_groups": self.num_groups,
+            "hot_buffer_slots": self.lru if self.offload else 0, "reserved_slots": self.reserved,
+            "host_blocks": self.num_host_blocks, "host_block_bytes": self.host_block_bytes,
+            "device_bytes": self.device_bytes(self.num_pages), "host_bytes": self.num_host_blocks * self.host_block_bytes,
+        }

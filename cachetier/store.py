@@ -1,0 +1,526 @@
+"""Where a decode worker keeps its requests' KV, and the `DecodeKV` its batches decode through.
+
+`TieredStore` is the real one: a device arena (see `geometry`) plus, with the tier on, the host pool
+for C4 entries and per-request hot buffers resolved by LRU. With the tier off the same arena also
+holds the C4 entries. Both hand the attention identical rows, so the tokens are identical.
+`LayoutStore` keeps plain layouts (everything resident, no budget): the model's own decode path.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+from cachetier.batch import INDEX, MAIN, DecodeKV, LayoutBatch, Segment, window_rows
+from cachetier.geometry import Geometry
+from cachetier.host_pool import HostPool
+from cachetier.layout import C4, HCA_ENTRIES, INDEX_KEYS, KVLayout
+from cachetier.pages import BlockAllocator, OutOfPages, PageAllocator
+from core import device as devices
+from core.config import ModelConfig
+from core.roles import TierConfig
+from core.types import NeverFitsError
+from kernels.resolve_ref import EVICTIONS, HITS, MISSES, resolve_ref
+
+log = logging.getLogger(__name__)
+
+
+class IntegrityError(AssertionError):
+    pass
+
+
+class KVStore(ABC):
+    """What the decode worker needs from a store."""
+
+    @abstractmethod
+    def check_fits_ever(self, request_id: str, reserve_tokens: int) -> None:
+        """Raise `NeverFitsError` if a request of this final length could never be admitted."""
+
+    @abstractmethod
+    def fits(self, reserve_tokens: int) -> bool:
+        ...
+
+    @abstractmethod
+    def admit(self, request_id: str, layout: KVLayout, reserve_tokens: int) -> None:
+        ...
+
+    @abstractmethod
+    def free(self, request_id: str) -> None:
+        ...
+
+    @abstractmethod
+    def batch(self, request_ids: list[str]) -> DecodeKV:
+        ...
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        ...
+
+    @abstractmethod
+    def stats(self) -> dict:
+        ...
+
+    def close(self) -> None:
+        pass
+
+
+# --- the plain reference store --------------------------------------------------------------------
+
+
+class LayoutStore(KVStore):
+    """Plain layouts, all resident, unbounded: decoding through it is the model's own decode path."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.layouts: dict[str, KVLayout] = {}
+
+    def check_fits_ever(self, request_id, reserve_tokens) -> None:
+        pass
+
+    def fits(self, reserve_tokens) -> bool:
+        return True
+
+    def admit(self, request_id, layout, reserve_tokens) -> None:
+        self.layouts[request_id] = layout.clone()
+
+    def free(self, request_id) -> None:
+        del self.layouts[request_id]
+
+    def batch(self, request_ids) -> DecodeKV:
+        return LayoutBatch(self.cfg, [self.layouts[r] for r in request_ids])
+
+    def check_integrity(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"kind": "layouts", "running": len(self.layouts),
+                "device_bytes_used": sum(lay.total_bytes() for lay in self.layouts.values())}
+
+
+# --- the tiered store -----------------------------------------------------------------------------
+
+
+@dataclass
+class Resident:
+    """One admitted request's place in the store."""
+
+    request_id: str
+    group: int
+    blocks: list[int]
+    host_blocks: list[int]
+    num_tokens: int
+    reserve_tokens: int
+    blocks_t: torch.Tensor = field(repr=False, default=None)
+    host_blocks_t: torch.Tensor = field(repr=False, default=None)
+
+
+class TieredStore(KVStore):
+    def __init__(self, cfg: ModelConfig, tier: TierConfig, dtype: torch.dtype = torch.float32, device=None) -> None:
+        self.cfg, self.tier = cfg, tier
+        self.geo = g = Geometry(cfg, tier, dtype)
+        dev = devices.current()
+        self.device = torch.device(device) if device is not None else dev.torch_device
+        self.arena = torch.zeros(g.num_pages * g.page_elems, dtype=dtype, device=self.device)
+        self.pages = PageAllocator(g.num_pages, g.group_pages)
+        n_csa = len(g.csa_layers)
+        self.host: HostPool | None = None
+        self.host_alloc: BlockAllocator | None = None
+        if g.offload and n_csa:
+            self.host = HostPool(n_csa, g.num_host_blocks, g.e4, g.d, dtype, pin=dev.pin_host_memory and self.device.type == "cuda")
+            self.host_alloc = BlockAllocator(g.num_host_blocks)
+            self.entry_map = torch.full((n_csa, g.num_pages * g.e4), -1, dtype=torch.int32, device=self.device)
+            self.hot_entry_row = torch.full((n_csa, g.num_groups, g.hot_slots), -1, dtype=torch.long, device=self.device)
+            self.hot_stamp = torch.full((n_csa, g.num_groups, g.lru), -1, dtype=torch.long, device=self.device)
+        # hits, misses, evictions per CSA layer, kept on the device: reading them is the only sync
+        self.counters = torch.zeros(max(n_csa, 1), 3, dtype=torch.long, device=self.device)
+        self.bytes_d2h = 0
+        self.bytes_h2d_admit = 0
+        self.step_no = 0
+        self.residents: dict[str, Resident] = {}
+        log.info("tier store: %s", g.describe())
+
+    # arena views ---------------------------------------------------------------------------------
+
+    def rows(self, width: int) -> torch.Tensor:
+        """The arena as rows of `width` elements."""
+        return self.arena.view(-1, width)
+
+    def hot_view(self, j: int) -> torch.Tensor:
+        """[groups, hot_slots, dim] view of CSA layer j's hot buffers, indexed by state group."""
+        g = self.geo
+        f = g.state_fields["hot"]
+        group_elems = g.group_pages * g.page_elems
+        per_group = self.arena[: g.num_groups * group_elems].view(g.num_groups, group_elems)
+        start = f.offset + j * g.hot_slots * g.d
+        return per_group[:, start : start + g.hot_slots * g.d].view(g.num_groups, g.hot_slots, g.d)
+
+    def group_base(self, group):
+        return group * self.geo.group_pages * self.geo.page_elems
+
+    def page_base(self, page):
+        return page * self.geo.page_elems
+
+    # admission -----------------------------------------------------------------------------------
+
+    def check_fits_ever(self, request_id: str, reserve_tokens: int) -> None:
+        g = self.geo
+        nb = g.blocks_for(reserve_tokens)
+        if g.group_pages + nb > g.num_pages:
+            raise NeverFitsError(
+                f"request {request_id} needs {g.request_device_bytes(nb)} device bytes for {reserve_tokens} tokens, more than "
+                f"this decode worker's whole budget ({g.device_bytes(g.num_pages)}); lower max_tokens or the prompt, "
+                "or raise --device-budget"
+            )
+        if self.host_alloc is not None and nb > self.host_alloc.num_blocks:
+            raise NeverFitsError(
+                f"request {request_id} needs {g.request_host_bytes(nb)} host-pool bytes, more than the whole host pool "
+                f"({self.host_alloc.num_blocks * g.host_block_bytes}); raise --host-pool-bytes"
+            )
+
+    def fits(self, reserve_tokens: int) -> bool:
+        nb = self.geo.blocks_for(reserve_tokens)
+        if self.host_alloc is not None and self.host_alloc.num_free < nb:
+            return False
+        return self.pages.can_allocate(nb)
+
+    def admit(self, request_id: str, layout: KVLayout, reserve_tokens: int) -> None:
+        """Place a prefilled layout: C4 entries straight into the host pool (tier on), the rest into the arena."""
+        if request_id in self.residents:
+            raise ValueError(f"request {request_id} is already admitted")
+        g = self.geo
+        reserve_tokens = max(reserve_tokens, layout.num_tokens + 1)
+        nb = g.blocks_for(reserve_tokens)
+        group, blocks = self.pages.allocate(request_id, nb)
+        host_blocks: list[int] = []
+        if self.host_alloc is not None:
+            try:
+                host_blocks = self.host_alloc.allocate(request_id, nb)
+            except OutOfPages:
+                self.pages.free(request_id, group, blocks)
+                raise
+        r = Resident(request_id, group, blocks, host_blocks, layout.num_tokens, reserve_tokens)
+        r.blocks_t = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        r.host_blocks_t = torch.tensor(host_blocks or [0], dtype=torch.long)
+        self._write_layout(r, layout)
+        self.residents[request_id] = r
+
+    def _write_layout(self, r: Resident, layout: KVLayout) -> None:
+        g, dev = self.geo, self.device
+        gb = self.group_base(r.group)
+        sf = g.state_fields
+        swa = torch.stack([lk.window for lk in layout.layers]).to(dev, self.arena.dtype)  # [layers, window, d]
+        self.rows(g.d)[sf["swa"].row(gb, torch.arange(g.cfg.num_layers * g.window, device=dev))] = swa.flatten(0, 1)
+        for layer, lk in enumerate(layout.layers):
+            comps = [(MAIN, lk.compressor), (INDEX, lk.index_compressor)]
+            for name, st in comps:
+                if st is None:
+                    continue
+                for part in ("kv", "score", "prev_kv", "prev_score"):
+                    t = getattr(st, part)
+                    if t is None:
+                        continue
+                    f = sf[f"{layer}.{name}.{part}"]
+                    self.rows(f.width)[f.row(gb, torch.arange(f.shape[0], device=dev))] = t.to(dev, self.arena.dtype)
+            if lk.kind == "csa":
+                j = g.csa_index[layer]
+                n = lk.num_entries
+                e = torch.arange(n, device=dev)
+                page = r.blocks_t[e // g.e4]
+                f = g.block_fields["index_keys"]
+                self.rows(g.di)[f.row(self.page_base(page), j * g.e4 + e % g.e4)] = lk.index_keys.to(dev, self.arena.dtype)
+                if not g.offload:
+                    f = g.block_fields["c4"]
+                    self.rows(g.d)[f.row(self.page_base(page), j * g.e4 + e % g.e4)] = lk.entries.to(dev, self.arena.dtype)
+                else:
+                    self._admit_c4(r, j, lk.entries)
+            elif lk.kind == "hca":
+                j = g.hca_index[layer]
+                e = torch.arange(lk.num_entries, device=dev)
+                f = g.block_fields["hca"]
+                page = r.blocks_t[e // g.eh]
+                self.rows(g.d)[f.row(self.page_base(page), j * g.eh + e % g.eh)] = lk.entries.to(dev, self.arena.dtype)
+
+    def _admit_c4(self, r: Resident, j: int, entries: torch.Tensor) -> None:
+        """Tier on: C4 entries go to the host pool; the newest `reserved` also to the ring of the hot buffer."""
+        g = self.geo
+        n = entries.shape[0]
+        e_cpu = torch.arange(n)
+        host_rows = r.host_blocks_t[e_cpu // g.e4] * g.e4 + e_cpu % g.e4
+        self.host.kv[j, host_rows] = entries.to("cpu", self.host.kv.dtype)
+        # fresh bookkeeping: no entry of this request is resident, the LRU part is empty
+        map_rows_all = (r.blocks_t[:, None] * g.e4 + torch.arange(g.e4, device=self.device)).flatten()
+        self.entry_map[j, map_rows_all] = -1
+        self.hot_entry_row[j, r.group] = -1
+        self.hot_stamp[j, r.group] = -1
+        if g.reserved and n:
+            newest = torch.arange(max(0, n - g.reserved), n, device=self.device)
+            slots = g.lru + newest % g.reserved
+            rows = r.blocks_t[newest // g.e4] * g.e4 + newest % g.e4
+            self.hot_view(j)[r.group, slots] = entries[newest.cpu()].to(self.device, self.arena.dtype)
+            self.entry_map[j, rows] = slots.to(torch.int32)
+            self.hot_entry_row[j, r.group, slots] = rows
+            self.bytes_h2d_admit += newest.numel() * g.d * g.elem
+
+    def free(self, request_id: str) -> None:
+        r = self.residents.pop(request_id)
+        self.pages.free(request_id, r.group, r.blocks)
+        if self.host_alloc is not None:
+            self.host_alloc.free(request_id, r.host_blocks)
+
+    def batch(self, request_ids: list[str]) -> TieredBatch:
+        return TieredBatch(self, [self.residents[r] for r in request_ids])
+
+    # accounting ----------------------------------------------------------------------------------
+
+    def device_bytes_used(self) -> int:
+        g = self.geo
+        used_pages = g.num_pages - self.pages.num_free
+        return used_pages * g.page_bytes + len(self.residents) * g.meta_bytes_per_group
+
+    def host_bytes_used(self) -> int:
+        if self.host_alloc is None:
+            return 0
+        return (self.host_alloc.num_blocks - self.host_alloc.num_free) * self.geo.host_block_bytes
+
+    def counter_totals(self) -> dict:
+        c = self.counters.sum(dim=0).tolist()  # the one host sync, when someone asks
+        g = self.geo
+        return {"hits": c[HITS], "misses": c[MISSES], "evictions": c[EVICTIONS], "entries_h2d": c[MISSES],
+                "bytes_h2d": c[MISSES] * g.d * g.elem + self.bytes_h2d_admit, "bytes_d2h": self.bytes_d2h}
+
+    def stats(self) -> dict:
+        g = self.geo
+        out = {
+            "kind": "tiered", "offload": g.offload, "running": len(self.residents),
+            "device_bytes_used": self.device_bytes_used(), "device_bytes_total": g.device_bytes(g.num_pages),
+            "host_bytes_used": self.host_bytes_used(),
+            "host_bytes_total": (self.host_alloc.num_blocks * g.host_block_bytes) if self.host_alloc else 0,
+            "pages_free": self.pages.num_free, "pages_total": g.num_pages,
+        }
+        out.update(self.counter_totals())
+        return out
+
+    # integrity -----------------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """free + used == total on both tiers, ownership matches, every hot slot holds a live entry."""
+        g = self.geo
+
+        def fail(msg: str) -> None:
+            raise IntegrityError(msg)
+
+        owned = sum(1 for o in self.pages.owner if o is not None)
+        if owned + self.pages.num_free != g.num_pages:
+            fail(f"device pages: {owned} used + {self.pages.num_free} free != {g.num_pages}")
+        expect = sum(g.group_pages + len(r.blocks) for r in self.residents.values())
+        if owned != expect:
+            fail(f"device pages: {owned} owned but residents hold {expect}")
+        for r in self.residents.values():
+            gp = range(r.group * g.group_pages, (r.group + 1) * g.group_pages)
+            if any(self.pages.owner[p] != r.request_id for p in [*gp, *r.blocks]):
+                fail(f"{r.request_id}: a page it holds is owned by someone else")
+            if len(r.blocks) * g.block_tokens < r.num_tokens:
+                fail(f"{r.request_id}: {r.num_tokens} tokens in {len(r.blocks)} blocks")
+        if self.host_alloc is None:
+            return
+        h_owned = sum(1 for o in self.host_alloc.owner if o is not None)
+        if h_owned + self.host_alloc.num_free != self.host_alloc.num_blocks:
+            fail(f"host blocks: {h_owned} used + {self.host_alloc.num_free} free != {self.host_alloc.num_blocks}")
+        if h_owned != sum(len(r.host_blocks) for r in self.residents.values()):
+            fail("host blocks owned do not match the residents' tables")
+        for r in self.residents.values():
+            if any(self.host_alloc.owner[b] != r.request_id for b in r.host_blocks):
+                fail(f"{r.request_id}: a host block it holds is owned by someone else")
+            n = r.num_tokens // self.cfg.csa_rate
+            e = torch.arange(n, device=self.device)
+            rows = r.blocks_t[e // g.e4] * g.e4 + e % g.e4 if n else e
+            host_rows = (r.host_blocks_t[e.cpu() // g.e4] * g.e4 + e.cpu() % g.e4) if n else e.cpu()
+            for j in range(len(g.csa_layers)):
+                slots = self.entry_map[j, rows].long() if n else e
+                entry_row = self.hot_entry_row[j, r.group]
+                held = torch.nonzero(entry_row >= 0).flatten()
+                # every occupied slot names an entry of this request that maps back to it
+                pos = {int(x): i for i, x in enumerate(rows.tolist())}
+                for s in held.tolist():
+                    row = int(entry_row[s])
+                    if row not in pos:
+                        fail(f"{r.request_id} layer {j}: hot slot {s} holds row {row}, not a live entry")
+                    if int(slots[pos[row]]) != s:
+                        fail(f"{r.request_id} layer {j}: entry map of row {row} is {int(slots[pos[row]])}, slot says {s}")
+                mapped = torch.nonzero(slots >= 0).flatten()
+                if mapped.numel() != held.numel():
+                    fail(f"{r.request_id} layer {j}: {mapped.numel()} entries mapped, {held.numel()} slots held")
+                if mapped.numel():
+                    hot = self.hot_view(j)[r.group, slots[mapped]]
+                    if not torch.equal(hot.cpu(), self.host.kv[j, host_rows[mapped.cpu()]]):
+                        fail(f"{r.request_id} layer {j}: a hot slot differs from its host copy")
+                if g.reserved:
+                    newest = set(range(max(0, n - g.reserved), n))
+                    ring = {int(pos.get(int(entry_row[g.lru + k]), -1)) for k in range(g.reserved) if int(entry_row[g.lru + k]) >= 0}
+                    if ring != newest:
+                        fail(f"{r.request_id} layer {j}: ring holds {sorted(ring)}, newest are {sorted(newest)}")
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
+
+
+class TieredBatch(DecodeKV):
+    """One decode step's view of the tiered store for a batch of residents."""
+
+    def __init__(self, store: TieredStore, residents: list[Resident]) -> None:
+        self.s, self.res = store, residents
+        g, dev = store.geo, store.device
+        self.g = g
+        self.positions = torch.tensor([r.num_tokens for r in residents], dtype=torch.long, device=dev)
+        self.groups = torch.tensor([r.group for r in residents], dtype=torch.long, device=dev)
+        self.gbase = store.group_base(self.groups)
+        nb = max(len(r.blocks) for r in residents)
+        self.blocks = torch.full((len(residents), nb), 0, dtype=torch.long, device=dev)
+        for b, r in enumerate(residents):
+            self.blocks[b, : len(r.blocks)] = r.blocks_t
+        if store.host_alloc is not None:
+            self.host_blocks = torch.zeros(len(residents), nb, dtype=torch.long)
+            for b, r in enumerate(residents):
+                self.host_blocks[b, : len(r.host_blocks)] = r.host_blocks_t
+        self.arange_b = torch.arange(len(residents), device=dev)
+
+    # state ---------------------------------------------------------------------------------------
+
+    def write_window(self, layer, key) -> Segment:
+        g = self.g
+        f = g.state_fields["swa"]
+        base = f.row(self.gbase, layer * g.window)  # [batch]
+        rows = self.s.rows(g.d)
+        rows[base + self.positions % g.window] = key.to(rows.dtype)
+        ring = base[:, None] + torch.arange(g.window, device=key.device)
+        return Segment(rows, torch.where(window_rows(self.positions, g.window), ring, -1))
+
+    def _state(self, layer, name, part):
+        return self.g.state_fields[f"{layer}.{name}.{part}"]
+
+    def write_tail(self, layer, name, kv, score) -> None:
+        for part, t in (("kv", kv), ("score", score)):
+            f = self._state(layer, name, part)
+            self.s.rows(f.width)[f.row(self.gbase, self.positions % f.shape[0])] = t.to(self.s.arena.dtype)
+
+    def _read(self, layer, name, part, rows):
+        f = self._state(layer, name, part)
+        idx = f.row(self.gbase[rows], 0)[:, None] + torch.arange(f.shape[0], device=rows.device)
+        return self.s.rows(f.width)[idx]
+
+    def tail_windows(self, layer, name, rows):
+        return self._read(layer, name, "kv", rows), self._read(layer, name, "score", rows)
+
+    def overlap(self, layer, name, rows):
+        return self._read(layer, name, "prev_kv", rows), self._read(layer, name, "prev_score", rows)
+
+    def set_overlap(self, layer, name, rows, kv, score) -> None:
+        for part, t in (("prev_kv", kv), ("prev_score", score)):
+            f = self._state(layer, name, part)
+            idx = f.row(self.gbase[rows], 0)[:, None] + torch.arange(f.shape[0], device=rows.device)
+            self.s.rows(f.width)[idx] = t.to(self.s.arena.dtype)
+
+    # classical entries ---------------------------------------------------------------------------
+
+    def _entry_rows(self, kind: str, j: int, batch_rows: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """Arena rows of entries e ([n] or [n, k], >= 0) of the given batch rows, for a block field."""
+        g = self.g
+        f = g.block_fields[kind]
+        per = g.eh if kind == "hca" else g.e4
+        bt = self.blocks[batch_rows]
+        if e.dim() == 1:
+            page = bt.gather(1, (e // per)[:, None]).squeeze(1)
+        else:
+            page = bt.gather(1, e // per)
+        return f.row(self.s.page_base(page), j * per + e % per)
+
+    def append_entries(self, layer, kind, rows, entries) -> None:
+        g, s = self.g, self.s
+        rate = self.s.cfg.hca_rate if kind == HCA_ENTRIES else self.s.cfg.csa_rate
+        e = (self.positions[rows] + 1) // rate - 1
+        if kind == INDEX_KEYS:
+            s.rows(g.di)[self._entry_rows("index_keys", g.csa_index[layer], rows, e)] = entries.to(s.arena.dtype)
+        elif kind == HCA_ENTRIES:
+            s.rows(g.d)[self._entry_rows("hca", g.hca_index[layer], rows, e)] = entries.to(s.arena.dtype)
+        elif not g.offload:
+            s.rows(g.d)[self._entry_rows("c4", g.csa_index[layer], rows, e)] = entries.to(s.arena.dtype)
+        else:
+            self._append_c4_tiered(g.csa_index[layer], rows, e, entries)
+
+    def _map_rows(self, rows, e):
+        g = self.g
+        bt = self.blocks[rows]
+        page = bt.gather(1, (e // g.e4).view(len(rows), -1)).view(e.shape)
+        return page * g.e4 + e % g.e4
+
+    def _append_c4_tiered(self, j, rows, e, entries) -> None:
+        """New C4 entry: authoritative copy to the host pool, and into the ring of the hot buffer."""
+        g, s = self.g, self.s
+        e_cpu, rows_cpu = e.cpu(), rows.cpu()
+        hb = self.host_blocks[rows_cpu]
+        host_rows = hb.gather(1, (e_cpu // g.e4)[:, None]).squeeze(1) * g.e4 + e_cpu % g.e4
+        s.host.kv[j, host_rows] = entries.to("cpu", s.host.kv.dtype)
+        s.bytes_d2h += entries.numel() * entries.element_size()
+        if not g.reserved:
+            return
+        groups = self.groups[rows]
+        slot = g.lru + e % g.reserved
+        new_rows = self._map_rows(rows, e)
+        old = e - g.reserved
+        has_old = old >= 0
+        if bool(has_old.any()):
+            old_rows = self._map_rows(rows[has_old], old[has_old])
+            s.entry_map[j, old_rows] = -1
+        s.hot_view(j)[groups, slot] = entries.to(s.arena.dtype)
+        s.entry_map[j, new_rows] = slot.to(torch.int32)
+        s.hot_entry_row[j, groups, slot] = new_rows
+
+    def _count(self, rate: int) -> torch.Tensor:
+        return (self.positions + 1) // rate  # entries after this step's emission
+
+    def _all_rows(self, kind: str, j: int, rate: int) -> torch.Tensor:
+        counts = self._count(rate)
+        width = int(counts.max())
+        e = torch.arange(width, device=counts.device).expand(len(self.res), width)
+        valid = e < counts[:, None]
+        rows = self._entry_rows(kind, j, self.arange_b, torch.where(valid, e, 0))
+        return torch.where(valid, rows, -1)
+
+    def hca_segment(self, layer) -> Segment:
+        rows = self._all_rows("hca", self.g.hca_index[layer], self.s.cfg.hca_rate)
+        return Segment(self.s.rows(self.g.d), rows)
+
+    def index_keys(self, layer):
+        rows = self._all_rows("index_keys", self.g.csa_index[layer], self.s.cfg.csa_rate)
+        keys = self.s.rows(self.g.di)[rows.clamp(min=0)]
+        keys = keys.masked_fill((rows < 0)[..., None], 0.0)
+        return keys, self._count(self.s.cfg.csa_rate)
+
+    def c4_segment(self, layer, ids) -> Segment:
+        g, s = self.g, self.s
+        j = g.csa_index[layer]
+        valid = ids >= 0
+        safe = torch.where(valid, ids, 0)
+        if not g.offload:
+            rows = self._entry_rows("c4", j, self.arange_b, safe)
+            return Segment(s.rows(g.d), torch.where(valid, rows, -1))
+        map_rows = self._map_rows(self.arange_b, safe)
+        safe_cpu = safe.cpu()
+        host_rows = self.host_blocks.gather(1, safe_cpu // g.e4) * g.e4 + safe_cpu % g.e4
+        slots = resolve_ref(
+            ids, map_rows, host_rows.to(ids.device), self.groups, s.entry_map[j], s.hot_view(j), s.hot_entry_row[j],
+            s.hot_stamp[j], s.host.kv[j], s.step_no, s.counters[j],
+        )
+        f = g.state_fields["hot"]
+        rows = f.row(self.gbase, j * g.hot_slots)[:, None] + slots
+        return Segment(s.rows(g.d), torch.where(slots >= 0, rows, -1))
+
+    def finish_step(self) -> None:
+        for r in self.res:
+            r.num_tokens += 1
+        self.positions = self.positions + 1
+        self.s.step_no += 1

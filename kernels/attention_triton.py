@@ -1,0 +1,180 @@
+"""Triton decode-time sparse attention: one query per batch row over gathered rows, with a per-head sink.
+
+Same contract as `kernels.attention_ref.sparse_attention_ref`. Each program takes one batch row and
+a block of heads; the keys are shared by all heads (V4 has one KV head, and keys are the values), so
+one gathered block of rows serves every head of the block. The segments (hot-buffer slots, SWA
+ring, HCA entries...) are walked one after the other under a single online softmax; the sink
+starts the running maximum and the denominator, which is exactly "sink in the denominator only"
+and also keeps the running maximum finite when a row has no valid key at all (output 0, as in the
+reference).
+
+Products are taken in fp32 with `input_precision="ieee"`: TF32 would cost about three decimal
+digits against the reference, and decode attention is bound by the row gather, not the math.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_SEGMENTS = 3
+
+
+@triton.jit
+def _attend_segment(
+    q,
+    m,
+    l,
+    acc,
+    pool_ptr,
+    pool_stride_row,
+    pool_stride_d,
+    rows_ptr,
+    rows_stride_b,
+    rows_stride_j,
+    seg_len,
+    b,
+    offs_d,
+    in_d,
+    scale,
+    BLOCK_L: tl.constexpr,
+):
+    """Fold `pool[rows[b, :seg_len]]` into the running (max, denominator, numerator) of every head."""
+    offs_l = tl.arange(0, BLOCK_L)
+    for start in range(0, seg_len, BLOCK_L):
+        in_l = start + offs_l < seg_len
+        rows = tl.load(rows_ptr + b * rows_stride_b + (start + offs_l) * rows_stride_j, mask=in_l, other=-1)  # [BLOCK_L]
+        ok = rows >= 0
+        kv = tl.load(
+            pool_ptr + rows[:, None] * pool_stride_row + offs_d[None, :] * pool_stride_d,
+            mask=ok[:, None] & in_d[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK_L, BLOCK_D]
+        s = tl.dot(q, tl.trans(kv), input_precision="ieee") * scale  # [BLOCK_H, BLOCK_L]
+        s = tl.where(ok[None, :], s, float("-inf"))
+        # m starts at the sink logit, so it is finite and a fully masked block gives p == 0, not NaN.
+        m_new = tl.maximum(m, tl.max(s, axis=1))  # [BLOCK_H]
+        alpha = tl.exp(m - m_new)  # [BLOCK_H]
+        p = tl.exp(s - m_new[:, None])  # [BLOCK_H, BLOCK_L]
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")  # [BLOCK_H, BLOCK_D]
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _sparse_attention_kernel(
+    q_ptr,
+    q_stride_b,
+    q_stride_h,
+    q_stride_d,
+    out_ptr,
+    out_stride_b,
+    out_stride_h,
+    out_stride_d,
+    sinks_ptr,
+    pool0_ptr,
+    pool0_stride_row,
+    pool0_stride_d,
+    rows0_ptr,
+    rows0_stride_b,
+    rows0_stride_j,
+    len0,
+    pool1_ptr,
+    pool1_stride_row,
+    pool1_stride_d,
+    rows1_ptr,
+    rows1_stride_b,
+    rows1_stride_j,
+    len1,
+    pool2_ptr,
+    pool2_stride_row,
+    pool2_stride_d,
+    rows2_ptr,
+    rows2_stride_b,
+    rows2_stride_j,
+    len2,
+    heads,
+    dim,
+    scale,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_h = offs_h < heads
+    offs_d = tl.arange(0, BLOCK_D)
+    in_d = offs_d < dim
+    q = tl.load(
+        q_ptr + b * q_stride_b + offs_h[:, None] * q_stride_h + offs_d[None, :] * q_stride_d,
+        mask=in_h[:, None] & in_d[None, :],
+        other=0.0,
+    ).to(tl.float32)  # [BLOCK_H, BLOCK_D]
+    m = tl.load(sinks_ptr + offs_h, mask=in_h, other=0.0).to(tl.float32)  # [BLOCK_H]
+    l = tl.zeros([BLOCK_H], tl.float32) + 1.0  # exp(sink - m) with m == sink
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+
+    m, l, acc = _attend_segment(
+        q, m, l, acc, pool0_ptr, pool0_stride_row, pool0_stride_d, rows0_ptr, rows0_stride_b, rows0_stride_j, len0, b, offs_d, in_d,
+        scale, BLOCK_L,
+    )
+    m, l, acc = _attend_segment(
+        q, m, l, acc, pool1_ptr, pool1_stride_row, pool1_stride_d, rows1_ptr, rows1_stride_b, rows1_stride_j, len1, b, offs_d, in_d,
+        scale, BLOCK_L,
+    )
+    m, l, acc = _attend_segment(
+        q, m, l, acc, pool2_ptr, pool2_stride_row, pool2_stride_d, rows2_ptr, rows2_stride_b, rows2_stride_j, len2, b, offs_d, in_d,
+        scale, BLOCK_L,
+    )
+
+    out = acc / l[:, None]  # [BLOCK_H, BLOCK_D]
+    tl.store(
+        out_ptr + b * out_stride_b + offs_h[:, None] * out_stride_h + offs_d[None, :] * out_stride_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=in_h[:, None] & in_d[None, :],
+    )
+
+
+def sparse_attention_triton(
+    q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Triton twin of `sparse_attention_ref`: q [batch, heads, dim] over `pool[rows]` of each segment -> [batch, heads, dim]."""
+    if not 1 <= len(segments) <= MAX_SEGMENTS:
+        raise ValueError(f"expected 1..{MAX_SEGMENTS} segments, got {len(segments)}")
+    batch, heads, dim = q.shape
+    for pool, rows in segments:
+        if pool.dim() != 2 or pool.shape[1] != dim or rows.dim() != 2 or rows.shape[0] != batch:
+            raise ValueError(f"segment pool {tuple(pool.shape)} / rows {tuple(rows.shape)} do not fit q {tuple(q.shape)}")
+    out = torch.empty_like(q)  # [batch, heads, dim]
+    if batch == 0 or heads == 0:
+        return out
+    # Missing segments are length 0, so the kernel has one shape whatever the caller passes.
+    padded = list(segments) + [segments[0]] * (MAX_SEGMENTS - len(segments))
+    lengths = [rows.shape[1] for _, rows in segments] + [0] * (MAX_SEGMENTS - len(segments))
+    seg_args = []
+    for (pool, rows), seg_len in zip(padded, lengths):
+        seg_args += [pool, pool.stride(0), pool.stride(1), rows, rows.stride(0), rows.stride(1), seg_len]
+    # tl.dot wants every block dimension to be at least 16; wide rows get fewer heads per program so the
+    # fp32 accumulator [BLOCK_H, BLOCK_D] stays in registers.
+    block_d = max(16, triton.next_power_of_2(dim))
+    block_h = max(16, min(triton.next_power_of_2(heads), 64 if block_d <= 128 else 16))
+    block_l = 32 if block_d <= 256 else 16
+    grid = (batch, triton.cdiv(heads, block_h))
+    _sparse_attention_kernel[grid](
+        q,
+        *q.stride(),
+        out,
+        *out.stride(),
+        sinks.contiguous(),
+        *seg_args,
+        heads,
+        dim,
+        scale,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        BLOCK_L=block_l,
+        num_warps=4 if block_d <= 128 else 8,
+    )
+    return out
