@@ -398,6 +398,10 @@ def latency_stats(name: str, values_s: list[float], percentiles: tuple[float, ..
     return {f"{k}_{name}_ms": round(float(v), 4) for k, v in zip(keys, vals)}
 
 
+def _per_s(count: int, duration_s: float) -> float | None:
+    return round(count / duration_s, 4) if duration_s > 0 else None
+
+
 def summarize(results: list[RequestResult], duration_s: float, percentiles: tuple[float, ...] = (50.0, 99.0)) -> dict:
     ok = [r for r in results if r.success]
     out_tokens = sum(r.output_tokens for r in ok)
@@ -408,9 +412,10 @@ def summarize(results: list[RequestResult], duration_s: float, percentiles: tupl
         "failed": len(results) - len(ok),
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
-        "request_throughput": len(ok) / duration_s if duration_s > 0 else None,
-        "output_throughput": out_tokens / duration_s if duration_s > 0 else None,
-        "total_token_throughput": (in_tokens + out_tokens) / duration_s if duration_s > 0 else None,
+        # per second of the whole run: requests, output tokens, input + output tokens
+        "request_throughput": _per_s(len(ok), duration_s),
+        "output_throughput": _per_s(out_tokens, duration_s),
+        "total_token_throughput": _per_s(in_tokens + out_tokens, duration_s),
     }
     d.update(latency_stats("ttft", [r.ttft_s for r in ok], percentiles))
     d.update(latency_stats("tpot", [r.tpot_s for r in ok if r.tpot_s is not None], percentiles))
@@ -479,7 +484,7 @@ def plot_sweep(sweep: dict, path: str) -> None:
 
     runs = sweep["runs"]
     xs = np.arange(len(runs))
-    labels = [str(r["request_rate"]) for r in runs]
+    labels = [r["request_rate"] if r["request_rate"] == "inf" else f"{r['request_rate']:g}" for r in runs]
     fig = Figure(figsize=(11, 8), layout="constrained")
     axes = fig.subplots(2, 2).flat
     for ax, (key, label) in zip(axes, (_LATENCIES[0], _LATENCIES[1], _LATENCIES[3])):

@@ -68,7 +68,7 @@ import math
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
-from core.config import CSA, HASH_MOE, HCA, SLIDING, ModelConfig
+from core.config import CSA, HASH_MOE, SLIDING, ModelConfig
 from core.roles import TierConfig
 
 # Cache kinds; the first five are spelled as in `cachetier.layout` (kept torch-free here on purpose).
@@ -198,7 +198,7 @@ _COMP = "compressors and indexer (small)"
 _ROUTER = "routers"
 _EMBED = "embedding and output head"
 _MISC = "norms, sinks, hyper-connections"
-_STORAGE = {
+_STORAGE = MappingProxyType({
     _ROUTED: "fp4 e2m1 + e8m0 scale per 32 weights",
     _SHARED: "fp8 e4m3 + e8m0 scale per 128x128 block",
     _ATTN: "fp8 e4m3 + e8m0 scale per 128x128 block (q, kv, out, indexer q)",
@@ -206,7 +206,7 @@ _STORAGE = {
     _ROUTER: "bf16 gate, fp32 bias, int64 hash table",
     _EMBED: "bf16",
     _MISC: "bf16 norms, fp32 sinks and hyper-connection parameters",
-}
+})
 
 
 def _fp8_matrix(rows: int, cols: int) -> tuple[int, int]:

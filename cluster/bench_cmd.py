@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import sys
 
@@ -117,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
 def _args_json(args: argparse.Namespace) -> dict:
     out = {}
     for key, value in vars(args).items():
+        if callable(value):
+            continue
         if isinstance(value, float) and math.isinf(value):
             value = "inf"
         elif isinstance(value, list):
@@ -131,6 +134,8 @@ def _serve(args: argparse.Namespace) -> int:
     from bench.common import emit
     from bench.serve import ServeBenchConfig, ServeBenchError, matplotlib_missing, plot_cdfs, plot_sweep, run_serve_bench, run_serve_sweep
 
+    if not getattr(args, "verbose", False):
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request would bury the progress bar
     if args.plot and (why := matplotlib_missing()):
         print(f"hisparse bench serve: {why}", file=sys.stderr)
         return 2

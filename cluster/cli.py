@@ -11,6 +11,8 @@ import json
 import logging
 import sys
 
+from cluster import bench_cmd, plan_cmd
+
 
 def _int_list(s: str) -> list[int]:
     try:
@@ -129,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="free a prefilled layout not picked up within this many seconds")
     _add_tier(s)
 
+    plan_cmd.add_parser(sub)
+    bench_cmd.add_parser(sub)
     return parser
 
 
@@ -142,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "plan":
+            return plan_cmd.run(args)
+        if args.command == "bench":
+            return bench_cmd.run(args)
         if args.command == "serve":
             print("hisparse serve: not built yet (the serving issues add it)", file=sys.stderr)
             return 2
@@ -151,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from core.types import SamplingParams
+    from cluster.inprocess import InProcessEngine
+    from core.types import GenerateRequest, SamplingParams
     from model.builtin import resolve_model_dir
-    from model.generate import generate_plain
     from model.loader import load_model
     from model.tokenizer import load_tokenizer
 
@@ -162,6 +170,7 @@ def _generate(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, ignore_eos=args.ignore_eos,
         )
+        tier = tier_config(args)
     except ValueError as e:
         print(f"hisparse generate: {e}", file=sys.stderr)
         return 2
@@ -178,17 +187,27 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         print("hisparse generate: give --prompt TEXT or --prompt-ids 1,2,3", file=sys.stderr)
         return 2
-    bad = [i for i in prompt_ids if not 0 <= i < model.cfg.vocab_size]
-    if bad:
-        print(f"hisparse generate: token ids {bad[:5]} are outside the vocabulary (0..{model.cfg.vocab_size - 1})",
-              file=sys.stderr)
-        return 2
-    tokens, reason, _ = generate_plain(model, prompt_ids, params)
-    ids = [t.token_id for t in tokens]
+    try:
+        engine = InProcessEngine(model, tier)
+        done = engine.generate([GenerateRequest("generate-0", tuple(prompt_ids), params)])["generate-0"]
+    except Exception as e:  # configuration and admission errors carry their remedy in the message
+        from core.types import HisparseError
+
+        if isinstance(e, (HisparseError, ValueError, MemoryError)):
+            print(f"hisparse generate: {e}", file=sys.stderr)
+            return 2
+        raise
+    engine.decode.check_integrity()
+    stats = engine.decode.stats()
+    engine.close()
+    ids = done.token_ids
     text = tok.decode(ids) if tok is not None else None
     if args.json:
+        tier_out = {k: stats[k] for k in ("hits", "misses", "evictions", "bytes_h2d", "bytes_d2h") if k in stats}
+        tier_out.update(offload=tier.offload, hot_buffer_slots=engine.store.geo.lru if tier.offload else None,
+                        device_budget_bytes=tier.device_budget_bytes)
         print(json.dumps({"prompt_token_ids": list(prompt_ids), "token_ids": ids, "text": text,
-                          "finish_reason": reason}))
+                          "finish_reason": done.finish_reason, "tier": tier_out, **tier_out}))
     else:
         print(text if text is not None else " ".join(map(str, ids)))
     return 0

@@ -22,7 +22,7 @@ from core.roles import TierConfig, format_bytes, parse_bytes
 PUBLISHED_CHECKPOINT_BYTES = MappingProxyType({"v4-flash": 160 * 10**9, "v4-pro": 865 * 10**9})
 """Published checkpoint sizes of the presets (about 160 GB and 865 GB), to compare the weight estimate with."""
 
-_TOKEN_UNITS = {"": 1, "k": 2**10, "m": 2**20}
+_TOKEN_UNITS = MappingProxyType({"": 1, "k": 2**10, "m": 2**20})
 
 
 def parse_tokens(text: str) -> int:
@@ -208,7 +208,7 @@ def render(p: Plan, published_checkpoint_bytes: int | None = None) -> str:
         "",
         f"ratio (tokens with / without tier): {ratio}; per request before rounding {p.request_ratio:.2f}x; "
         f"ceiling as context -> infinity {p.ceiling_ratio:.2f}x",
-        f"host memory for C4 entries with the tier: {_gb(p.host_bytes_needed)} ({_gb(r.host_with_tier)} per request)",
+        f"host memory for C4 entries with the tier: {_gb(p.host_bytes_needed)} ({format_bytes(r.host_with_tier)} per request)",
     ]
     if i.host_memory_bytes is not None:
         verdict = "fits" if p.host_fits else f"EXCEEDED: {p.requests_with_tier_host_limited:,} requests fit"

@@ -25,7 +25,7 @@ MAX_SEGMENTS = 3
 def _attend_segment(
     q,
     m,
-    l,
+    denom,
     acc,
     pool_ptr,
     pool_stride_row,
@@ -57,10 +57,10 @@ def _attend_segment(
         m_new = tl.maximum(m, tl.max(s, axis=1))  # [BLOCK_H]
         alpha = tl.exp(m - m_new)  # [BLOCK_H]
         p = tl.exp(s - m_new[:, None])  # [BLOCK_H, BLOCK_L]
-        l = l * alpha + tl.sum(p, axis=1)
+        denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")  # [BLOCK_H, BLOCK_D]
         m = m_new
-    return m, l, acc
+    return m, denom, acc
 
 
 @triton.jit
@@ -113,23 +113,65 @@ def _sparse_attention_kernel(
         other=0.0,
     ).to(tl.float32)  # [BLOCK_H, BLOCK_D]
     m = tl.load(sinks_ptr + offs_h, mask=in_h, other=0.0).to(tl.float32)  # [BLOCK_H]
-    l = tl.zeros([BLOCK_H], tl.float32) + 1.0  # exp(sink - m) with m == sink
+    denom = tl.zeros([BLOCK_H], tl.float32) + 1.0  # exp(sink - m) with m == sink
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
 
-    m, l, acc = _attend_segment(
-        q, m, l, acc, pool0_ptr, pool0_stride_row, pool0_stride_d, rows0_ptr, rows0_stride_b, rows0_stride_j, len0, b, offs_d, in_d,
-        scale, BLOCK_L,
+    m, denom, acc = _attend_segment(
+        q,
+        m,
+        denom,
+        acc,
+        pool0_ptr,
+        pool0_stride_row,
+        pool0_stride_d,
+        rows0_ptr,
+        rows0_stride_b,
+        rows0_stride_j,
+        len0,
+        b,
+        offs_d,
+        in_d,
+        scale,
+        BLOCK_L,
     )
-    m, l, acc = _attend_segment(
-        q, m, l, acc, pool1_ptr, pool1_stride_row, pool1_stride_d, rows1_ptr, rows1_stride_b, rows1_stride_j, len1, b, offs_d, in_d,
-        scale, BLOCK_L,
+    m, denom, acc = _attend_segment(
+        q,
+        m,
+        denom,
+        acc,
+        pool1_ptr,
+        pool1_stride_row,
+        pool1_stride_d,
+        rows1_ptr,
+        rows1_stride_b,
+        rows1_stride_j,
+        len1,
+        b,
+        offs_d,
+        in_d,
+        scale,
+        BLOCK_L,
     )
-    m, l, acc = _attend_segment(
-        q, m, l, acc, pool2_ptr, pool2_stride_row, pool2_stride_d, rows2_ptr, rows2_stride_b, rows2_stride_j, len2, b, offs_d, in_d,
-        scale, BLOCK_L,
+    m, denom, acc = _attend_segment(
+        q,
+        m,
+        denom,
+        acc,
+        pool2_ptr,
+        pool2_stride_row,
+        pool2_stride_d,
+        rows2_ptr,
+        rows2_stride_b,
+        rows2_stride_j,
+        len2,
+        b,
+        offs_d,
+        in_d,
+        scale,
+        BLOCK_L,
     )
 
-    out = acc / l[:, None]  # [BLOCK_H, BLOCK_D]
+    out = acc / denom[:, None]  # [BLOCK_H, BLOCK_D]
     tl.store(
         out_ptr + b * out_stride_b + offs_h[:, None] * out_stride_h + offs_d[None, :] * out_stride_d,
         out.to(out_ptr.dtype.element_ty),

@@ -1,8 +1,9 @@
 """Triton hot-buffer resolve: the whole batch of one layer in one launch, with no host synchronisation.
 
 Same contract as `kernels.resolve_ref.resolve_ref` (read its docstring for the policy); one program
-per batch row, so a decode step can be captured in a CUDA graph (`step` is then baked into the
-graph: a captured graph must be re-captured or fed a step that its stamps tolerate).
+per batch row, so a decode step can be captured in a CUDA graph. `step` is a plain kernel argument,
+so a captured graph replays the step it was captured with; replaying one graph across steps would
+need `step` in a device tensor (a signature change to make together with the reference).
 
 Where the bytes come from: on CUDA `host_pool` stays a *pinned* CPU tensor and the kernel reads it
 through its pointer. With unified virtual addressing a pinned host allocation has the same address

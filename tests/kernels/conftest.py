@@ -24,10 +24,15 @@ REPO = Path(__file__).resolve().parents[2]
 NO_TRITON_EXIT = 77
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    """The environment of a child Python that imports the project from this checkout."""
+def _child_env(**extra: str) -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+@pytest.fixture(scope="session")
+def child_env():
+    """Build the environment of a child Python that imports the project from this checkout."""
+    return _child_env
 
 
 @pytest.fixture(scope="session")
@@ -40,7 +45,7 @@ def run_interpreted(tmp_path_factory):
         out = tmp_path_factory.mktemp("triton") / "results.pt"
         proc = subprocess.run(
             [sys.executable, script, str(out)],
-            env=child_env(TRITON_INTERPRET="1", HISPARSE_DEVICE="cpu"),
+            env=_child_env(TRITON_INTERPRET="1", HISPARSE_DEVICE="cpu"),
             cwd=REPO,
             capture_output=True,
             text=True,

@@ -41,3 +41,21 @@ def test_bad_input_is_a_clear_error():
     assert r.returncode == 2 and "outside the vocabulary" in r.stderr
     r = _run("--prompt-ids", "1,2", "--top-p", "0")
     assert r.returncode == 2 and "top_p" in r.stderr
+
+
+def test_tier_options_same_tokens_and_counters():
+    common = ("--prompt-ids", "5,6,7,8,9,10,11,12,13", "--max-tokens", "120", "--json", "--ignore-eos", "--device-budget", "8MiB")
+    on = _run(*common, "--offload", "on", "--hot-buffer-slots", "16")
+    off = _run(*common, "--offload", "off")
+    assert on.returncode == 0 and off.returncode == 0, on.stderr + off.stderr
+    a, b = json.loads(on.stdout), json.loads(off.stdout)
+    assert a["token_ids"] == b["token_ids"]
+    assert a["misses"] > 0 and a["hits"] > 0 and a["bytes_h2d"] > 0
+    assert b["misses"] == 0 and b["bytes_h2d"] == 0
+
+
+def test_tier_option_errors_name_the_fix():
+    r = _run("--prompt-ids", "1,2", "--device-budget", "10KiB")
+    assert r.returncode == 2 and "raise --device-budget" in r.stderr
+    r = _run("--prompt-ids", "1,2", "--offload", "maybe")
+    assert r.returncode == 2 and "on or off" in r.stderr

@@ -1,0 +1,71 @@
+"""Prefill and decode workers wired together in one process, without Ray.
+
+`hisparse generate` runs on this, tests compare the PD split against it, and the serving benchmark
+uses it as the single-process baseline. The same worker classes run inside the Ray actors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from cachetier.store import KVStore, TieredStore
+from core.roles import PrefillConfig, TierConfig
+from core.types import GenerateRequest, TokenEvent, finish_reason
+from decode.worker import DecodeRequest, DecodeWorker
+from model.model import V4Model
+from prefill.worker import PrefillRequest, PrefillResult, PrefillWorker
+
+
+def decode_request(res: PrefillResult) -> DecodeRequest:
+    return DecodeRequest(res.request_id, res.layout, res.first_token, res.sampling, res.seed, res.num_generated)
+
+
+@dataclass
+class Completion:
+    request_id: str
+    events: list[TokenEvent] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [e.token.token_id for e in self.events]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.events[-1].finish_reason if self.events else None
+
+
+class InProcessEngine:
+    def __init__(
+        self,
+        model: V4Model,
+        tier: TierConfig | None = None,
+        prefill: PrefillConfig | None = None,
+        store: KVStore | None = None,
+    ) -> None:
+        tier = tier or TierConfig()
+        self.model = model
+        self.prefill = PrefillWorker(model, prefill)
+        self.store = store if store is not None else TieredStore(model.cfg, tier, dtype=model.dtype, device=model.device)
+        self.decode = DecodeWorker(model, self.store, max_running=tier.max_running)
+
+    def generate(self, requests: Iterable[GenerateRequest], seeds: dict[str, int] | None = None) -> dict[str, Completion]:
+        """Run requests to completion; a request's seed is its sampling seed, else `seeds[id]`, else 0."""
+        out: dict[str, Completion] = {}
+        for r in requests:
+            seed = r.sampling.seed if r.sampling.seed is not None else (seeds or {}).get(r.request_id, 0)
+            self.prefill.submit(PrefillRequest(r.request_id, tuple(r.prompt_token_ids), r.sampling, seed))
+            out[r.request_id] = Completion(r.request_id)
+        eos = self.model.cfg.eos_token_ids
+        while self.prefill.has_work() or self.decode.has_work():
+            for res in self.prefill.step():
+                reason = finish_reason(res.first_token.token_id, 1, res.sampling, eos)
+                out[res.request_id].events.append(TokenEvent(res.request_id, 0, res.first_token, reason))
+                if reason is None:
+                    self.decode.submit(decode_request(res))
+            for ev in self.decode.step():
+                out[ev.request_id].events.append(ev)
+        return out
+
+    def close(self) -> None:
+        self.store.close()

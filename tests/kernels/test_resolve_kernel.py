@@ -1,0 +1,462 @@
+"""Hot-buffer resolve: the reference's policy pinned by hand, and the Triton kernel equal to it step by step.
+
+Run as a script (`python test_resolve_kernel.py out.pt`, under `TRITON_INTERPRET=1`), this file plays
+every scenario through `resolve_triton` and saves the snapshots; see `conftest.py` for why.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels.resolve_ref import EVICTIONS, HITS, MISSES, resolve_ref
+
+STATE_FIELDS = ("entry_map_all", "hot_kv", "hot_entry_row", "hot_stamp_all", "counters")
+
+
+# ---------------------------------------------------------------------------------------------
+# Scenarios: a deterministic plan of hand edits and resolve steps, replayed by either implementation.
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    state_slots: tuple[int, ...]
+    """Which hot buffer each batch row owns (deliberately not 0..batch-1)."""
+    num_state_slots: int
+    lru: int
+    reserved: int
+    k: int
+    dim: int
+    entries: int
+    """C4 entries per request (local ids 0..entries-1)."""
+    kinds: tuple[str, ...]
+    """One per step: mix, hit, miss, dup, pad; a `place+` prefix first puts entries in the ring."""
+    seed: int
+    host_dtype: torch.dtype = torch.float32
+    stale: bool = False
+    """Hand edits leave stale `hot_entry_row` behind (the store should never do that)."""
+
+
+SCENARIOS = (
+    Scenario(
+        "mixed",
+        state_slots=(2, 0, 3),
+        num_state_slots=4,
+        lru=12,
+        reserved=3,
+        k=8,
+        dim=6,
+        entries=120,
+        kinds=("miss", "mix", "mix", "hit", "place+mix", "mix", "dup", "pad", "place+hit", "miss", "mix", "hit", "mix"),
+        seed=1,
+    ),
+    Scenario(
+        "exactly_k_slots",
+        state_slots=(1, 0),
+        num_state_slots=2,
+        lru=8,
+        reserved=2,
+        k=8,
+        dim=5,
+        entries=100,
+        kinds=("miss", "mix", "miss", "mix", "hit", "place+mix", "dup", "miss", "mix", "pad", "mix", "miss"),
+        seed=2,
+    ),
+    Scenario(
+        "padding_and_duplicates",
+        state_slots=(0, 2, 1),
+        num_state_slots=3,
+        lru=10,
+        reserved=2,
+        k=7,
+        dim=4,
+        entries=80,
+        kinds=("pad", "dup", "pad", "dup", "mix", "place+dup", "pad", "hit", "dup"),
+        seed=3,
+    ),
+    Scenario(
+        "wide_rows_bf16_host",
+        state_slots=(1,),
+        num_state_slots=2,
+        lru=24,
+        reserved=4,
+        k=16,
+        dim=300,  # past the kernel's 256-wide copy block
+        entries=80,
+        kinds=("miss", "mix", "place+mix", "hit", "miss", "mix"),
+        seed=4,
+        host_dtype=torch.bfloat16,
+    ),
+    Scenario(
+        "stale_hand_edits",
+        state_slots=(1, 0),
+        num_state_slots=2,
+        lru=8,
+        reserved=3,
+        k=6,
+        dim=3,
+        entries=60,
+        kinds=("miss", "mix", "place+mix", "mix", "place+dup", "mix", "place+mix", "miss", "mix"),
+        seed=5,
+        stale=True,
+    ),
+)
+BY_NAME = {sc.name: sc for sc in SCENARIOS}
+LAYER = 1  # state tensors carry a layer axis of 2; scenarios use layer 1, so strides are not 1 and layer 0 must stay put
+
+
+def make_state(sc: Scenario, device: str = "cpu") -> dict[str, torch.Tensor]:
+    batch = len(sc.state_slots)
+    slots = sc.lru + sc.reserved
+    gen = torch.Generator().manual_seed(sc.seed)
+    num_map_rows = batch * (sc.entries + 3) + 2
+    num_host_rows = batch * (sc.entries + 5) + 2
+    host_pool = torch.randn(num_host_rows, sc.dim, generator=gen).to(sc.host_dtype)  # [host_rows, dim]
+    if device == "cuda":
+        host_pool = host_pool.pin_memory()
+    return {
+        # the map is a column of a [rows, layers] tensor, the stamps a slice of [layers, ...]
+        "entry_map_all": torch.full((num_map_rows, 2), -1, dtype=torch.int32, device=device),
+        "hot_kv": torch.zeros(sc.num_state_slots, slots, sc.dim, device=device),
+        "hot_entry_row": torch.full((sc.num_state_slots, slots), -1, dtype=torch.int64, device=device),
+        "hot_stamp_all": torch.full((2, sc.num_state_slots, sc.lru), -1, dtype=torch.int64, device=device),
+        "counters": torch.zeros(3, dtype=torch.int64, device=device),
+        "host_pool": host_pool,
+    }
+
+
+def plan(sc: Scenario) -> tuple[list[list[int]], list[list[int]], list]:
+    """Per request: local id -> map row and -> host row; and the ops of the scenario."""
+    rng = random.Random(sc.seed)
+    batch = len(sc.state_slots)
+    # disjoint, shuffled ranges with gaps; host rows laid out in the opposite request order
+    map_of = [[r * (sc.entries + 3) + 1 + x for x in rng.sample(range(sc.entries), sc.entries)] for r in range(batch)]
+    host_of = [[(batch - 1 - r) * (sc.entries + 5) + 2 + x for x in rng.sample(range(sc.entries), sc.entries)] for r in range(batch)]
+    used: list[set[int]] = [set() for _ in range(batch)]
+    prev: list[list[int]] = [[] for _ in range(batch)]
+    ring: list[dict[int, int]] = [{} for _ in range(batch)]  # ring slot -> local id; only hand edits change it
+
+    def fresh(r: int, n: int) -> list[int]:
+        out = rng.sample(sorted(set(range(sc.entries)) - used[r]), n)
+        used[r].update(out)
+        return out
+
+    def pad(valid: list[int], middle: bool) -> list[int]:
+        row = list(valid)
+        for _ in range(sc.k - len(valid)):
+            row.insert(rng.randint(0, len(row)) if middle else len(row), -1)
+        return row
+
+    ops: list = []
+    for step, kind in enumerate(sc.kinds, start=1):
+        if kind.startswith("place+"):
+            kind = kind.removeprefix("place+")
+            for r in range(batch):
+                # one entry never seen, one from the last step (likely in an LRU slot), into random ring slots
+                ids = fresh(r, 1) + rng.sample(prev[r], min(1, len(prev[r])))
+                free = [s for s in range(sc.lru, sc.lru + sc.reserved) if kind != "hit" or ring[r].get(s) not in prev[r]]
+                ids = ids[: len(free)]  # a hit step must not lose an entry it selects
+                slots = rng.sample(free, len(ids))
+                for i, s in zip(ids, slots):
+                    ring[r] = {q: e for q, e in ring[r].items() if e != i}
+                    ring[r][s] = i
+                ops.append(("place", r, ids, slots))
+                if sc.stale and prev[r]:
+                    ops.append(("drop", r, rng.sample(prev[r], 1)))
+        rows = []
+        for r in range(batch):
+            if kind == "miss":
+                valid = fresh(r, sc.k - r % 2)
+            elif kind == "hit":
+                valid = rng.sample(prev[r], len(prev[r]))
+            elif kind == "mix":
+                keep = rng.sample(prev[r], min(len(prev[r]), round(0.6 * sc.k)))
+                n = rng.randint(max(len(keep), sc.k // 2), sc.k)
+                valid = keep + fresh(r, n - len(keep))
+                rng.shuffle(valid)
+                if len(valid) >= 2 and rng.random() < 0.5:
+                    valid[rng.randrange(len(valid))] = valid[rng.randrange(len(valid))]
+            elif kind == "dup":
+                # a few distinct ids (old and new) repeated; the first occurrences decide the order
+                distinct = rng.sample(prev[r], min(2, len(prev[r]))) + fresh(r, 2)
+                valid = [rng.choice(distinct) for _ in range(sc.k - 1)]
+            elif kind == "pad":
+                valid = [] if r == batch - 1 else rng.sample(prev[r], min(1, len(prev[r]))) + fresh(r, 1)
+            else:
+                raise ValueError(kind)
+            used[r].update(valid)
+            prev[r] = sorted(set(valid))
+            rows.append(pad(valid, middle=kind != "hit"))
+        ops.append(("resolve", step, kind, rows))
+    return map_of, host_of, ops
+
+
+def _place(state, sc, map_of, host_of, r, ids, ring):
+    """What the store does when it puts the newest entries in the ring (or, `stale`, a careless one)."""
+    s = sc.state_slots[r]
+    entry_map = state["entry_map_all"][:, LAYER]
+    for i, slot in zip(ids, ring):
+        row = map_of[r][i]
+        old = int(state["hot_entry_row"][s, slot])
+        if old >= 0:
+            entry_map[old] = -1
+        cur = int(entry_map[row])
+        if cur >= 0 and not sc.stale:
+            state["hot_entry_row"][s, cur] = -1
+        entry_map[row] = slot
+        state["hot_entry_row"][s, slot] = row
+        state["hot_kv"][s, slot] = state["host_pool"][host_of[r][i]].to(state["hot_kv"].device, state["hot_kv"].dtype)
+
+
+def replay(sc: Scenario, resolve_fn, device: str = "cpu") -> list[dict[str, torch.Tensor]]:
+    """Play the scenario through `resolve_fn`; one snapshot (CPU tensors) per resolve step."""
+    state = make_state(sc, device)
+    map_of, host_of, ops = plan(sc)
+    batch = len(sc.state_slots)
+    state_slots = torch.tensor(sc.state_slots, device=device)  # [batch]
+    snapshots = []
+    for op in ops:
+        if op[0] == "place":
+            _place(state, sc, map_of, host_of, *op[1:])
+        elif op[0] == "drop":  # forget the mapping, keep the slot's owner: stale on purpose
+            r, ids = op[1:]
+            for i in ids:
+                state["entry_map_all"][map_of[r][i], LAYER] = -1
+        else:
+            _, step, kind, rows = op
+            ids = torch.tensor(rows, device=device)  # [batch, k]
+            map_rows = torch.tensor([[map_of[r][i] if i >= 0 else -1 for i in rows[r]] for r in range(batch)], device=device)
+            host_rows = torch.tensor([[host_of[r][i] if i >= 0 else -1 for i in rows[r]] for r in range(batch)], device=device)
+            slots = resolve_fn(
+                ids,
+                map_rows,
+                host_rows,
+                state_slots,
+                state["entry_map_all"][:, LAYER],
+                state["hot_kv"],
+                state["hot_entry_row"],
+                state["hot_stamp_all"][LAYER],
+                state["host_pool"],
+                step,
+                state["counters"],
+            )
+            snap = {"slots": slots.cpu().clone(), "kind": kind}
+            snap.update({f: state[f].cpu().clone() for f in STATE_FIELDS})
+            snapshots.append(snap)
+    return snapshots
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference's policy, worked out by hand.
+
+
+def _tiny_state(lru=4, reserved=2, dim=2):
+    host_pool = torch.arange(40 * dim, dtype=torch.float32).view(40, dim)  # [40, dim], row r holds r*dim..
+    return {
+        "entry_map": torch.full((20,), -1, dtype=torch.int32),
+        "hot_kv": torch.zeros(1, lru + reserved, dim),
+        "hot_entry_row": torch.full((1, lru + reserved), -1, dtype=torch.int64),
+        "hot_stamp": torch.full((1, lru), -1, dtype=torch.int64),
+        "host_pool": host_pool,
+        "counters": torch.zeros(3, dtype=torch.int64),
+    }
+
+
+def _tiny_resolve(st, ids, step):
+    ids = torch.tensor([ids])  # [1, k]; map row = id + 2, host row = 2 * id + 1
+    map_rows = torch.where(ids >= 0, ids + 2, -1)
+    host_rows = torch.where(ids >= 0, 2 * ids + 1, -1)
+    return resolve_ref(
+        ids, map_rows, host_rows, torch.tensor([0]), st["entry_map"], st["hot_kv"], st["hot_entry_row"], st["hot_stamp"],
+        st["host_pool"], step, st["counters"],
+    )[0].tolist()  # fmt: skip
+
+
+def test_reference_policy_by_hand():
+    st = _tiny_state()
+    # misses in order of appearance (7 before 5) take the never-used slots 0, 1; the second 7 shares slot 0
+    assert _tiny_resolve(st, [7, 5, 7, -1], step=1) == [0, 1, 0, -1]
+    assert st["counters"].tolist() == [0, 2, 0]
+    assert st["hot_stamp"][0].tolist() == [1, 1, -1, -1]
+    assert st["hot_entry_row"][0].tolist() == [9, 7, -1, -1, -1, -1]
+    assert torch.equal(st["hot_kv"][0, 0], st["host_pool"][15]) and torch.equal(st["hot_kv"][0, 1], st["host_pool"][11])
+
+    # 5 hits (slot 1, restamped); padding in the middle; 3 and 9 take the remaining never-used slots
+    assert _tiny_resolve(st, [5, 3, -1, 9], step=2) == [1, 2, -1, 3]
+    assert st["counters"].tolist() == [1, 4, 0]
+    assert st["hot_stamp"][0].tolist() == [1, 2, 2, 2]
+
+    # 7 and 3 hit (stamped 3); the free slots are 1 and 3 (both stamp 2): the lower index goes first
+    assert _tiny_resolve(st, [4, 7, 6, 3], step=3) == [1, 0, 3, 2]
+    assert st["counters"].tolist() == [3, 6, 2]
+    assert st["entry_map"][5 + 2].item() == -1 and st["entry_map"][9 + 2].item() == -1
+    assert st["hot_entry_row"][0, :4].tolist() == [9, 6, 5, 8]
+
+    # the store put entry 8 in ring slot 4: a hit that is not stamped; 5 comes back into LRU slot 0
+    st["entry_map"][8 + 2] = 4
+    st["hot_entry_row"][0, 4] = 8 + 2
+    assert _tiny_resolve(st, [8, 5, -1, -1], step=4) == [4, 0, -1, -1]
+    assert st["counters"].tolist() == [4, 7, 3]
+    assert st["hot_stamp"][0].tolist() == [4, 3, 3, 3]
+    assert st["entry_map"][7 + 2].item() == -1
+    assert st["hot_entry_row"][0].tolist() == [7, 6, 5, 8, 10, -1]
+
+
+def test_reference_never_evicts_what_this_step_uses():
+    st = _tiny_state(lru=2, reserved=1)
+    assert _tiny_resolve(st, [1, 2], step=1) == [0, 1]
+    # 1 is hit at step 2, so the miss 3 must take slot 1 even though slot 0 is older by index
+    assert _tiny_resolve(st, [3, 1], step=2) == [1, 0]
+    with pytest.raises(RuntimeError, match="hot buffer smaller"):
+        _tiny_resolve(st, [4, 5, 1], step=3)  # two misses, one free slot
+
+
+def test_scenarios_cover_what_they_claim():
+    """Checked on the reference, so a change to the generator cannot quietly drop a case."""
+    for sc in SCENARIOS:
+        snaps = replay(sc, resolve_ref)
+        before = torch.zeros(3, dtype=torch.int64)
+        for snap in snaps:
+            delta = snap["counters"] - before
+            before = snap["counters"]
+            valid = snap["slots"] >= 0
+            if snap["kind"] == "hit" and not sc.stale:
+                assert delta[MISSES] == 0 and delta[HITS] > 0, sc.name
+            if snap["kind"] == "miss":
+                assert delta[HITS] == 0 and delta[MISSES] == valid.sum(), sc.name
+            assert valid.any(), sc.name
+        assert before[EVICTIONS] > 0, f"{sc.name} never evicts"
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton == reference.
+
+
+def _assert_same(name, expected, actual):
+    assert len(expected) == len(actual), name
+    for i, (want, got) in enumerate(zip(expected, actual)):
+        for field in ("slots", *STATE_FIELDS):
+            assert torch.equal(want[field], got[field]), f"{name}: step {i + 1} ({want['kind']}): {field} differs"
+
+
+@pytest.fixture(scope="module")
+def triton_runs(run_interpreted):
+    return run_interpreted(__file__)
+
+
+@pytest.mark.parametrize("name", list(BY_NAME))
+def test_triton_matches_reference(triton_runs, name):
+    _assert_same(name, replay(BY_NAME[name], resolve_ref), triton_runs[name])
+
+
+def _call(st, ids, step, resolve_fn):
+    ids = torch.tensor([ids])  # [1, k]; map row = id + 2, host row = 2 * id + 1, as in `_tiny_resolve`
+    slots = resolve_fn(
+        ids, torch.where(ids >= 0, ids + 2, -1), torch.where(ids >= 0, 2 * ids + 1, -1), torch.tensor([0]), st["entry_map"],
+        st["hot_kv"], st["hot_entry_row"], st["hot_stamp"], st["host_pool"], step, st["counters"],
+    )  # fmt: skip
+    return {"slots": slots, **st}
+
+
+def overflow_case(resolve_fn):
+    """Three distinct misses, two LRU slots."""
+    return _call(_tiny_state(lru=2, reserved=1), [0, 1, 2, 1, 2], 1, resolve_fn)
+
+
+def stale_reassign_case(resolve_fn):
+    """Entry 1 was dropped from the map but still owns slot 0; it misses, takes slot 1, and then slot 0 is evicted."""
+    st = _tiny_state(lru=3, reserved=1)
+    st["hot_entry_row"][0, :3] = torch.tensor([3, 4, 5])
+    st["hot_stamp"][0] = torch.tensor([2, 1, 3])
+    st["entry_map"][4], st["entry_map"][5] = 1, 2
+    return _call(st, [1, 4], 4, resolve_fn)
+
+
+def stale_hit_case(resolve_fn):
+    """Entry 1 sits in ring slot 3 but LRU slot 0 still names it; a miss evicts slot 0."""
+    st = _tiny_state(lru=3, reserved=1)
+    st["hot_entry_row"][0] = torch.tensor([3, 4, 5, 3])
+    st["hot_stamp"][0] = torch.tensor([1, 2, 2])
+    st["entry_map"][3], st["entry_map"][4], st["entry_map"][5] = 3, 1, 2
+    return _call(st, [1, 6], 3, resolve_fn)
+
+
+STALE_CASES = {"stale_reassign": stale_reassign_case, "stale_hit": stale_hit_case}
+
+
+def test_reference_resets_evicted_entries_before_placing_misses():
+    got = stale_reassign_case(resolve_ref)
+    assert got["slots"].tolist() == [[1, 0]]
+    assert got["entry_map"][[3, 4, 5, 6]].tolist() == [1, -1, 2, 0]
+    assert got["counters"].tolist() == [0, 2, 2]
+
+
+@pytest.mark.parametrize("name", list(STALE_CASES))
+def test_triton_matches_reference_on_stale_state(triton_runs, name):
+    want, got = STALE_CASES[name](resolve_ref), triton_runs[name]
+    for field, value in want.items():
+        assert torch.equal(value, got[field]), f"{name}: {field} differs"
+
+
+def test_triton_overflow_leaves_the_unserved_miss_without_a_slot(triton_runs):
+    """Where the reference raises (no host sync allowed), the kernel serves what fits and marks the rest -1."""
+    with pytest.raises(RuntimeError):
+        overflow_case(resolve_ref)
+    got = triton_runs["overflow"]
+    assert got["slots"].tolist() == [[0, 1, -1, 1, -1]]
+    assert got["counters"].tolist() == [0, 3, 0]
+    assert got["entry_map"][2:5].tolist() == [0, 1, -1]
+    assert got["hot_entry_row"][0].tolist() == [2, 3, -1]
+
+
+def test_dispatchers_on_cpu_run_the_references_without_triton(child_env):
+    code = (
+        "import sys, torch\n"
+        "from kernels.resolve import resolve\n"
+        "from kernels.attention import sparse_attention\n"
+        "em = torch.full((4,), -1, dtype=torch.int32)\n"
+        "kv = torch.zeros(1, 3, 2); row = torch.full((1, 3), -1); st = torch.full((1, 2), -1)\n"
+        "pool = torch.ones(4, 2); c = torch.zeros(3, dtype=torch.int64); ids = torch.tensor([[1, -1]])\n"
+        "assert resolve(ids, ids + 1, ids, torch.tensor([0]), em, kv, row, st, pool, 1, c).tolist() == [[0, -1]]\n"
+        "assert c.tolist() == [0, 1, 0] and kv[0, 0].tolist() == [1.0, 1.0]\n"
+        "out = sparse_attention(torch.ones(1, 2, 2), [(pool, torch.tensor([[0, -1]]))], torch.zeros(2), 1.0)\n"
+        "assert out.shape == (1, 2, 2)\n"
+        "assert 'triton' not in sys.modules, 'the CPU path imported triton'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=child_env(HISPARSE_DEVICE="cpu"), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", list(BY_NAME))
+def test_compiled_triton_matches_reference_on_cuda(name):
+    from kernels.resolve_triton import resolve_triton
+
+    _assert_same(name, replay(BY_NAME[name], resolve_ref), replay(BY_NAME[name], resolve_triton, device="cuda"))
+
+
+def _main(out: str) -> None:
+    from conftest import NO_TRITON_EXIT
+
+    try:
+        from kernels.resolve_triton import resolve_triton
+    except ImportError as exc:
+        if (exc.name or "").startswith("triton"):
+            print(exc, file=sys.stderr)
+            sys.exit(NO_TRITON_EXIT)
+        raise
+    results = {sc.name: replay(sc, resolve_triton) for sc in SCENARIOS}
+    results["overflow"] = overflow_case(resolve_triton)
+    results.update({name: case(resolve_triton) for name, case in STALE_CASES.items()})
+    torch.save(results, out)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])

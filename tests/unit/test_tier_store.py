@@ -1,0 +1,138 @@
+"""The tier's geometry and admission arithmetic, never-fitting requests, aborts, the integrity check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachetier.geometry import BudgetTooSmall, Geometry
+from cachetier.store import IntegrityError, TieredStore
+from core.roles import TierConfig
+from core.types import NeverFitsError, SamplingParams
+from decode.worker import DecodeRequest, DecodeWorker
+from model.sampling import sample
+
+
+def test_geometry_by_hand(tiny_model):
+    """The built-in model: 2 CSA layers (d=64, indexer 16), 1 HCA layer (rate 32), 4 layers, window 32, fp32."""
+    cfg = tiny_model.cfg
+    on = Geometry(cfg, TierConfig(offload=True, hot_buffer_slots=32, reserved_slots=8), torch.float32)
+    off = Geometry(cfg, TierConfig(offload=False), torch.float32)
+    assert on.block_tokens == off.block_tokens == 256
+    # a page holds 256 tokens: 2 x 64 indexer keys x 16 + 1 x 8 HCA entries x 64 (+ 2 x 64 C4 entries x 64 without the tier)
+    assert on.page_elems == 2 * 64 * 16 + 8 * 64 == 2560
+    assert off.page_elems == 2560 + 2 * 64 * 64 == 10752
+    assert on.page_bytes == 2560 * 4 + 2 * 64 * 4  # + the entry->slot map
+    assert off.page_bytes == 10752 * 4
+    # the state: rings 4 x 32 x 64, CSA tails (4x128 kv + 4x128 score + 4x64 + 4x64 ; indexer 4x32 x2 + 4x16 x2 -> aligned
+    # to 128 elements each), HCA tail 32 x 64 x 2, and with the tier 2 x 40 x 64 hot slots
+    per_csa = (512 + 512 + 256 + 256) + (128 + 128 + 128 + 128)
+    state_off = 4 * 32 * 64 + 2 * per_csa + 2 * 32 * 64
+    assert off.state_elems == state_off
+    assert on.state_elems == state_off + 2 * 40 * 64
+    assert on.group_pages == -(-on.state_elems // 2560)
+    assert on.meta_bytes_per_group == 2 * (40 * 8 + 32 * 8)
+
+
+def _request(model, rid, prompt_len, max_tokens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(6, model.cfg.vocab_size, (prompt_len,), generator=g).tolist()
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    logits, layout = model.prefill(ids, last_only=True)
+    return DecodeRequest(rid, layout, sample(logits, [sp], [seed], [0])[0], sp, seed)
+
+
+def test_admission_counts_match_footprint(tiny_model):
+    """Same budget: N requests fit with the tier, M without, exactly as the page arithmetic says."""
+    cfg = tiny_model.cfg
+    budget = 6 * 2**20
+    prompt, max_tokens = 700, 300  # reserve 1001 tokens -> 4 blocks of 256
+    counts = {}
+    for offload in (True, False):
+        tier = TierConfig(offload=offload, device_budget_bytes=budget, max_running=1000)
+        store = TieredStore(cfg, tier)
+        geo = store.geo
+        worker = DecodeWorker(tiny_model, store, max_running=1000)
+        base = _request(tiny_model, "base", prompt, max_tokens)
+        nb = geo.blocks_for(base.reserve_tokens)
+        assert nb == 4
+        expected = geo.num_pages // (geo.group_pages + nb)
+        for i in range(expected + 3):
+            worker.submit(DecodeRequest(f"r{i}", base.layout.clone(), base.first_token, base.sampling, 0))
+        worker._admit()
+        assert len(worker.running) == expected
+        assert len(worker.waiting) == 3
+        assert store.device_bytes_used() == expected * geo.request_device_bytes(nb)
+        assert store.device_bytes_used() <= budget
+        worker.check_integrity()
+        counts[offload] = expected
+    n, m = counts[True], counts[False]
+    on_geo = Geometry(cfg, TierConfig(offload=True, device_budget_bytes=budget), torch.float32)
+    off_geo = Geometry(cfg, TierConfig(offload=False, device_budget_bytes=budget), torch.float32)
+    assert n / m == pytest.approx((on_geo.num_pages // (on_geo.group_pages + 4)) / (off_geo.num_pages // (off_geo.group_pages + 4)))
+    assert n > m  # at 1000 tokens the fixed state still weighs; the capacity bench shows the long-context ratio
+
+
+def test_request_that_can_never_fit_is_an_error(tiny_model):
+    store = TieredStore(tiny_model.cfg, TierConfig(offload=False, device_budget_bytes=2 * 2**20))
+    worker = DecodeWorker(tiny_model, store)
+    req = _request(tiny_model, "huge", 50, 100_000)
+    with pytest.raises(NeverFitsError, match="raise --device-budget"):
+        worker.submit(req)
+    assert not worker.has_work()
+
+
+def test_budget_too_small_is_explained(tiny_model):
+    with pytest.raises(BudgetTooSmall, match="raise --device-budget"):
+        TieredStore(tiny_model.cfg, TierConfig(device_budget_bytes=10_000))
+    with pytest.raises(ValueError, match="at least index_topk"):
+        TieredStore(tiny_model.cfg, TierConfig(hot_buffer_slots=3))
+
+
+def test_abort_returns_both_tiers(tiny_model):
+    store = TieredStore(tiny_model.cfg, TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=3 * 2**20,
+                                                   host_pool_bytes=8 * 2**20))
+    worker = DecodeWorker(tiny_model, store, max_running=2)
+    for i in range(4):
+        worker.submit(_request(tiny_model, f"a{i}", 300 + 10 * i, 200, seed=i))
+    for _ in range(30):
+        worker.step()
+    assert len(worker.running) == 2 and len(worker.waiting) == 2
+    assert store.device_bytes_used() > 0 and store.host_bytes_used() > 0
+    worker.check_integrity()
+    assert worker.abort("a0") and worker.abort("a3")  # one running, one waiting
+    assert not worker.abort("a0")
+    worker.check_integrity()
+    assert worker.abort("a1")
+    for _ in range(5):
+        worker.step()  # a2 is admitted now
+    assert list(worker.running) == ["a2"]
+    worker.abort("a2")
+    worker.check_integrity()
+    assert store.device_bytes_used() == 0 and store.host_bytes_used() == 0
+    assert store.pages.num_free == store.geo.num_pages
+
+
+def test_integrity_check_catches_corruption(tiny_model):
+    store = TieredStore(tiny_model.cfg, TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=3 * 2**20,
+                                                   host_pool_bytes=8 * 2**20))
+    worker = DecodeWorker(tiny_model, store)
+    worker.submit(_request(tiny_model, "x", 200, 50))
+    for _ in range(10):
+        worker.step()
+    worker.check_integrity()
+    r = store.residents["x"]
+    # a hot slot whose content no longer equals its host copy
+    slot = int(torch.nonzero(store.hot_entry_row[0, r.group] >= 0)[0])
+    saved = store.hot_view(0)[r.group, slot].clone()
+    store.hot_view(0)[r.group, slot] += 1.0
+    with pytest.raises(IntegrityError, match="differs from its host copy"):
+        worker.check_integrity()
+    store.hot_view(0)[r.group, slot] = saved
+    # a page owned by nobody while a resident claims it
+    page = r.blocks[0]
+    store.pages.owner[page] = None
+    with pytest.raises(IntegrityError):
+        worker.check_integrity()
+    store.pages.owner[page] = "x"
+    worker.check_integrity()
