@@ -17,13 +17,14 @@ import torch
 from cachetier.batch import INDEX, MAIN, DecodeKV, LayoutBatch, Segment, window_rows
 from cachetier.geometry import Geometry
 from cachetier.host_pool import HostPool
-from cachetier.layout import C4, HCA_ENTRIES, INDEX_KEYS, KVLayout
+from cachetier.layout import HCA_ENTRIES, INDEX_KEYS, KVLayout
 from cachetier.pages import BlockAllocator, OutOfPages, PageAllocator
 from core import device as devices
 from core.config import ModelConfig
 from core.roles import TierConfig
 from core.types import NeverFitsError
-from kernels.resolve_ref import EVICTIONS, HITS, MISSES, resolve_ref
+from kernels.resolve import resolve
+from kernels.resolve_ref import EVICTIONS, HITS, MISSES
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,8 @@ class KVStore(ABC):
     def stats(self) -> dict:
         ...
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 - most stores hold nothing that needs releasing
+        """Release resources held outside Python's reach (pinned host memory)."""
 
 
 # --- the plain reference store --------------------------------------------------------------------
@@ -511,7 +512,7 @@ class TieredBatch(DecodeKV):
         map_rows = self._map_rows(self.arange_b, safe)
         safe_cpu = safe.cpu()
         host_rows = self.host_blocks.gather(1, safe_cpu // g.e4) * g.e4 + safe_cpu % g.e4
-        slots = resolve_ref(
+        slots = resolve(
             ids, map_rows, host_rows.to(ids.device), self.groups, s.entry_map[j], s.hot_view(j), s.hot_entry_row[j],
             s.hot_stamp[j], s.host.kv[j], s.step_no, s.counters[j],
         )
