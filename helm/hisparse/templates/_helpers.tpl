@@ -134,7 +134,7 @@ no GPU (the "device" pool is then host memory), the device budget; plus /dev/shm
 */}}
 {{- define "hisparse.decodeExtraBytes" -}}
 {{- $perActor := include "hisparse.hostPoolBytes" . | int64 -}}
-{{- if eq (include "hisparse.int" .Values.decode.actorGpus) "0" -}}
+{{- if eq (float64 .Values.decode.actorGpus) 0.0 -}}
 {{- $perActor = add $perActor (include "hisparse.bytes" .Values.serve.deviceBudget | int64) -}}
 {{- end -}}
 {{- add (mul $perActor (int64 .Values.decode.actorsPerPod)) (include "hisparse.shmBytes" .Values.decode | int64) -}}
@@ -224,28 +224,32 @@ Byte sizes go out as integer bytes, which every spelling of `hisparse serve` acc
 {{- toYaml $sc -}}
 {{- end -}}
 
-{{/* Volumes every hisparse pod gets: /dev/shm as memory-backed emptyDir, the model claim. Call with (dict "root" $ "shmBytes" "<int>"). */}}
+{{/*
+Volumes of a hisparse pod: /dev/shm as a memory-backed emptyDir and, where the model is read, the
+model claim. Call with (dict "root" $ "shmBytes" "<int>" "model" bool).
+*/}}
 {{- define "hisparse.volumes" -}}
 - name: dshm
   emptyDir:
     medium: Memory
     sizeLimit: {{ include "hisparse.mebibytes" .shmBytes }}
-{{- with .root.Values.model.pvc.claimName }}
+{{- if and .model .root.Values.model.pvc.claimName }}
 - name: model
   persistentVolumeClaim:
-    claimName: {{ . }}
+    claimName: {{ .root.Values.model.pvc.claimName }}
     readOnly: true
 {{- end }}
 {{- end -}}
 
+{{/* Call with (dict "root" $ "model" bool). */}}
 {{- define "hisparse.volumeMounts" -}}
 - name: dshm
   mountPath: /dev/shm
-{{- if .Values.model.pvc.claimName }}
+{{- if and .model .root.Values.model.pvc.claimName }}
 - name: model
-  mountPath: {{ .Values.model.pvc.mountPath }}
+  mountPath: {{ .root.Values.model.pvc.mountPath }}
   readOnly: true
-  {{- with .Values.model.pvc.subPath }}
+  {{- with .root.Values.model.pvc.subPath }}
   subPath: {{ . }}
   {{- end }}
 {{- end }}
@@ -266,6 +270,8 @@ Pod template of a Ray group. Call with
 {{- $g := .g -}}
 {{- $shm := include "hisparse.shmBytes" $g -}}
 {{- $memory := add (include "hisparse.bytes" $g.memory | int64) (.memoryExtra | int64) -}}
+{{- /* The head reads the model only in rayservice mode, where Serve replicas may run there. */ -}}
+{{- $model := or (ne .role "head") (eq $root.Values.mode "rayservice") -}}
 {{- $gpus := 0 -}}
 {{- if hasKey $g "gpus" -}}{{- $gpus = int64 $g.gpus -}}{{- end -}}
 metadata:
@@ -336,9 +342,9 @@ spec:
       securityContext:
         {{- include "hisparse.containerSecurityContext" (dict "root" $root "ipcLock" (and (eq .role "decode") $g.ipcLock)) | nindent 8 }}
       volumeMounts:
-        {{- include "hisparse.volumeMounts" $root | nindent 8 }}
+        {{- include "hisparse.volumeMounts" (dict "root" $root "model" $model) | nindent 8 }}
   volumes:
-    {{- include "hisparse.volumes" (dict "root" $root "shmBytes" $shm) | nindent 4 }}
+    {{- include "hisparse.volumes" (dict "root" $root "shmBytes" $shm "model" $model) | nindent 4 }}
   {{- with $g.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}
@@ -404,6 +410,10 @@ docs, "{\"x\": 1}", passes the shell and the autoscaler but not KubeRay's JSON p
 {{- define "hisparse.rayClusterSpec" -}}
 {{- $root := . -}}
 rayVersion: {{ .Values.rayVersion | quote }}
+{{- if and (eq .Values.mode "raycluster") .Values.rayClusterUpgradeStrategy }}
+upgradeStrategy:
+  type: {{ .Values.rayClusterUpgradeStrategy }}
+{{- end }}
 {{- if .Values.autoscaling.enabled }}
 enableInTreeAutoscaling: true
 autoscalerOptions:

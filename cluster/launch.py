@@ -1,0 +1,101 @@
+"""Starting Ray (embedded or joined), placing the prefill and decode actors, waiting until they are up.
+
+Placement by role uses Ray custom resources: a node that should run prefill actors advertises
+`hisparse_prefill` (one unit per actor it may hold), a decode node `hisparse_decode`:
+
+    ray start --head --port 6379 --resources '{"hisparse_prefill": 1}'
+    ray start --address HEAD:6379 --resources '{"hisparse_decode": 2}'
+
+With placement `resources` each actor requires one unit of its role's resource, so Ray puts it
+(and restarts it after a failure) only on such nodes. The embedded default uses placement `any`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import ray
+
+from cluster.actors import DecodeActor, PrefillActor
+from cluster.handoff import ROLE_DECODE, ROLE_PREFILL
+from core.roles import ClusterConfig, PrefillConfig, TierConfig
+
+log = logging.getLogger(__name__)
+
+
+def start_ray(cfg: ClusterConfig, num_cpus: int | None = None) -> None:
+    """Join `cfg.address`, or start an embedded local instance bound to 127.0.0.1."""
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}
+    if os.environ.get("HISPARSE_CACHE"):
+        env["env_vars"]["HISPARSE_CACHE"] = os.environ["HISPARSE_CACHE"]
+    if cfg.address is None:
+        need = cfg.num_prefill * cfg.prefill_num_cpus + cfg.num_decode * cfg.decode_num_cpus
+        cpus = num_cpus if num_cpus is not None else max(int(need + 0.999), os.cpu_count() or 1)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 runtime_env=env, resources={ROLE_PREFILL: cfg.num_prefill, ROLE_DECODE: cfg.num_decode})
+        log.info("started an embedded Ray instance with %d CPUs", cpus)
+    else:
+        ray.init(address=cfg.address, runtime_env=env)
+        log.info("joined the Ray cluster at %s", cfg.address)
+
+
+@dataclass
+class Actors:
+    prefill: list = field(default_factory=list)
+    decode: list = field(default_factory=list)
+    prefill_info: list[dict] = field(default_factory=list)
+    decode_info: list[dict] = field(default_factory=list)
+
+
+def _options(role: str, cfg: ClusterConfig, name: str) -> dict:
+    cpus = cfg.prefill_num_cpus if role == ROLE_PREFILL else cfg.decode_num_cpus
+    gpus = cfg.prefill_num_gpus if role == ROLE_PREFILL else cfg.decode_num_gpus
+    opts = {"num_cpus": cpus, "num_gpus": gpus, "max_restarts": cfg.max_restarts, "max_task_retries": 0,
+            "max_concurrency": 1000, "name": name, "namespace": "hisparse", "lifetime": None}
+    if cfg.placement == "resources":
+        opts["resources"] = {role: 1}
+    return opts
+
+
+def create_actors(
+    model: str, cluster: ClusterConfig, tier: TierConfig, prefill: PrefillConfig, prefix: str = "hisparse", timeout_s: float = 300
+) -> Actors:
+    """Create and wait for the actors; raises with the reason when they cannot be placed in time."""
+    if cluster.transport != "object_store":
+        raise ValueError(f"transport {cluster.transport!r} needs GPU actors with a collective group; "
+                         "this build hands layouts over through the Ray object store only")
+    pcls, dcls = ray.remote(PrefillActor), ray.remote(DecodeActor)
+    out = Actors()
+    for i in range(cluster.num_prefill):
+        name = f"{prefix}-prefill-{i}"
+        threads = max(1, int(cluster.prefill_num_cpus))
+        out.prefill.append(pcls.options(**_options(ROLE_PREFILL, cluster, name)).remote(model, prefill, name, threads))
+    for i in range(cluster.num_decode):
+        name = f"{prefix}-decode-{i}"
+        threads = max(1, int(cluster.decode_num_cpus))
+        out.decode.append(dcls.options(**_options(ROLE_DECODE, cluster, name)).remote(model, tier, name, threads))
+    pending = [a.ready.remote() for a in out.prefill + out.decode]
+    ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+    if not_ready:
+        raise TimeoutError(
+            f"{len(not_ready)} of {len(pending)} actors did not start within {timeout_s:.0f} s; with placement "
+            f"'{cluster.placement}' check that nodes advertise the role resources ({ROLE_PREFILL}, {ROLE_DECODE}) "
+            "and enough CPUs/GPUs (ray status)"
+        )
+    infos = ray.get(pending)
+    out.prefill_info, out.decode_info = infos[: cluster.num_prefill], infos[cluster.num_prefill :]
+    for info in infos:
+        log.info("actor %s up on node %s (pid %s)", info["name"], info["node_id"][:12], info["pid"])
+    return out
+
+
+def kill_actors(actors: Actors) -> None:
+    for a in actors.prefill + actors.decode:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:  # already gone
+            pass

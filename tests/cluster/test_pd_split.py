@@ -1,0 +1,196 @@
+"""PD split on a real local Ray: equality with the in-process engine, handoff accounting, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import ray
+from conftest import run
+
+from cluster.inprocess import InProcessEngine
+from cluster.service import Service
+from core.roles import ClusterConfig, PrefillConfig, ServeConfig, TierConfig
+from core.types import GenerateRequest, SamplingParams, WorkerUnavailable
+
+pytestmark = pytest.mark.ray
+
+TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=4 * 2**20, host_pool_bytes=32 * 2**20)
+
+
+@pytest.fixture(scope="module")
+def service(loop, tiny_dir):
+    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+             runtime_env={"env_vars": {"HISPARSE_CACHE": str(tiny_dir.parent.parent)}})
+    cfg = ServeConfig(
+        model="tiny", tier=TIER, prefill=PrefillConfig(max_batch_tokens=256, layout_lease_s=2.0),
+        cluster=ClusterConfig(num_prefill=2, num_decode=2, placement="any", max_restarts=2),
+    )
+    svc = Service(cfg, prefix="pdtest")
+    run(loop, svc.start())
+    yield svc
+    run(loop, svc.stop(shutdown_ray=True))
+
+
+def _requests(n: int, prompt_len: int = 40, max_tokens: int = 30):
+    out = []
+    for i in range(n):
+        ids = tuple((7 * i + 13 * j) % 250 + 6 for j in range(prompt_len + 9 * i))
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0 if i % 2 == 0 else 0.8, seed=100 + i)
+        out.append(GenerateRequest(f"q{i}-{time.monotonic_ns()}", ids, sp))
+    return out
+
+
+def _inprocess(tiny_model, reqs):
+    eng = InProcessEngine(tiny_model, TIER)
+    done = eng.generate(reqs)
+    eng.close()
+    return {r.request_id: done[r.request_id].token_ids for r in reqs}
+
+
+def test_pd_equals_in_process_for_concurrent_requests(loop, service, tiny_model):
+    reqs = _requests(6)
+
+    async def go():
+        results = await asyncio.gather(*(service.complete(r) for r in reqs))
+        return {r.request_id: [e.token.token_id for e in evs] for r, evs in zip(reqs, results)}
+
+    got = run(loop, go())
+    assert got == _inprocess(tiny_model, reqs)
+    # every request ran to length with indices 0..n-1 and one finish reason at the end
+    evs = run(loop, service.complete(_requests(1, max_tokens=12)[0]))
+    assert [e.index for e in evs] == list(range(12))
+    assert [e.finish_reason for e in evs] == [None] * 11 + ["length"]
+
+
+def test_handoff_bytes_equal_layout_size(loop, service, tiny_model):
+    req = _requests(1, prompt_len=300, max_tokens=5)[0]
+    run(loop, service.complete(req))
+    records = [ray.get(d.handoff_record.remote(req.request_id)) for d in service.actors.decode]
+    got = [r for r in records if r["bytes"] is not None]
+    assert len(got) == 1
+    _, layout = tiny_model.prefill(list(req.prompt_token_ids), last_only=True)
+    assert got[0]["bytes"] == layout.total_bytes()
+    assert got[0]["seconds"] >= 0
+
+
+def _decode_integrity(service):
+    for d in service.actors.decode:
+        try:
+            assert ray.get(d.check_integrity.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            pass  # a killed actor that has not restarted yet
+
+
+def test_decode_actor_dies_mid_stream(loop, service, tiny_model):
+    reqs = _requests(2, prompt_len=60, max_tokens=120)
+    ref = _inprocess(tiny_model, reqs)
+
+    async def go():
+        got = {r.request_id: [] for r in reqs}
+        killed = []
+
+        async def consume(r):
+            async for ev in service.generate(r):
+                got[r.request_id].append(ev.token.token_id)
+                if len(got[r.request_id]) == 30 and not killed:
+                    victim = next(m for m in service.router.decode if r.request_id in m.inflight)
+                    killed.append(victim.name)
+                    ray.kill(victim.handle, no_restart=False)
+
+        await asyncio.gather(*(consume(r) for r in reqs))
+        return got, killed
+
+    got, killed = run(loop, go())
+    assert killed and got == ref  # nothing lost, nothing repeated, same tokens
+    assert service.router.retries["decode"] >= 1
+
+    async def rejoined():
+        for _ in range(120):
+            if all(m.alive for m in service.router.decode):
+                return True
+            await asyncio.sleep(0.5)
+        return False
+
+    assert run(loop, rejoined())
+    _decode_integrity(service)
+    again = _requests(1, max_tokens=10)[0]
+    assert [e.token.token_id for e in run(loop, service.complete(again))] == _inprocess(tiny_model, [again])[again.request_id]
+
+
+def test_prefill_actor_dies_mid_request(loop, service, tiny_model):
+    req = _requests(1, prompt_len=6000, max_tokens=8)[0]  # 24 prefill steps of 256 tokens: time to kill it
+
+    async def go():
+        task = asyncio.ensure_future(service.complete(req))
+        victim = None
+        for _ in range(400):
+            victim = next((m for m in service.router.prefill if req.request_id in m.inflight), None)
+            if victim is not None:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        ray.kill(victim.handle, no_restart=False)
+        return await task
+
+    before = service.router.retries["prefill"]
+    evs = run(loop, go())
+    assert service.router.retries["prefill"] == before + 1
+    assert [e.token.token_id for e in evs] == _inprocess(tiny_model, [req])[req.request_id]
+
+
+def test_client_leaving_mid_stream_frees_both_tiers(loop, service):
+    req = _requests(1, prompt_len=100, max_tokens=400)[0]
+
+    async def go():
+        agen = service.generate(req)
+        n = 0
+        async for _ in agen:
+            n += 1
+            if n == 10:
+                break
+        await agen.aclose()
+        for _ in range(100):
+            stats = await asyncio.gather(*(d.stats.remote() for d in service.actors.decode))
+            if all(s["running"] == 0 and s["waiting"] == 0 for s in stats):
+                return stats
+            await asyncio.sleep(0.1)
+        return stats
+
+    stats = run(loop, go())
+    assert all(s["running"] == 0 and s["device_bytes_used"] == 0 and s["host_bytes_used"] == 0 for s in stats)
+    _decode_integrity(service)
+
+
+def test_layout_not_picked_up_is_freed_after_lease(loop, service):
+    from prefill.worker import PrefillRequest
+
+    p = service.actors.prefill[0]
+    h = ray.get(p.prefill.remote(PrefillRequest("orphan", tuple(range(6, 80)), SamplingParams(max_tokens=4), 0)))
+    assert h.layout_bytes > 0
+    assert ray.get(p.stats.remote())["held_layouts"] >= 1
+    time.sleep(3.5)  # lease is 2 s in this module
+    st = ray.get(p.stats.remote())
+    assert st["held_layouts"] == 0 and st["freed_by_lease"] >= 1
+
+
+def test_request_larger_than_any_budget_is_refused(loop, service):
+    from core.types import NeverFitsError
+
+    big = GenerateRequest("too-big", (5, 6, 7), SamplingParams(max_tokens=130_000))  # > the 4 MiB budget
+    with pytest.raises(NeverFitsError, match="max_tokens"):
+        run(loop, service.complete(big))
+
+
+def test_no_decode_actor_left_is_a_clear_error(loop, service):
+    run(loop, service.router.stop())  # keep the health poll from reviving them during the check
+    for m in service.router.decode:
+        m.alive = False
+    try:
+        with pytest.raises(WorkerUnavailable, match="no decode actor"):
+            run(loop, service.complete(_requests(1, max_tokens=5)[0]))
+    finally:
+        for m in service.router.decode:
+            m.alive = True
+        run(loop, service.router.start())
