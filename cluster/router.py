@@ -81,6 +81,10 @@ class Router:
     async def stop(self) -> None:
         if self._poller is not None:
             self._poller.cancel()
+            try:
+                await self._poller
+            except asyncio.CancelledError:
+                pass
             self._poller = None
 
     async def _poll(self) -> None:

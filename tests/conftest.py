@@ -7,6 +7,10 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray rewrites a 127.0.0.1 cluster address to the machine's outward IP unless told this is a
+# single-machine setup; the test clusters bind 127.0.0.1 only, so keep the address as given.
+# (Read when ray is first imported, hence before anything else.)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
