@@ -151,11 +151,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             return bench_cmd.run(args)
         if args.command == "serve":
-            print("hisparse serve: not built yet (the serving issues add it)", file=sys.stderr)
-            return 2
+            return _serve(args)
     except KeyboardInterrupt:
         return 130
     return 1
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        config = serve_config(args)
+    except ValueError as e:
+        print(f"hisparse serve: {e}", file=sys.stderr)
+        return 2
+    from api.server import run_server  # the serve command is where the gateway comes in
+
+    return run_server(config)
 
 
 def _generate(args: argparse.Namespace) -> int:

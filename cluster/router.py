@@ -120,7 +120,8 @@ class Router:
         g = member.info["geometry"]
         return g["group_pages"] + max(1, math.ceil(reserve_tokens / g["block_tokens"]))
 
-    def _check_fits_somewhere(self, req: GenerateRequest) -> None:
+    def check_admissible(self, req: GenerateRequest) -> None:
+        """Refuse (400) a request no decode actor could hold even when empty."""
         reserve = len(req.prompt_token_ids) + req.sampling.max_tokens
         if self.decode and all(self.pages_needed(m, reserve) > m.info["geometry"]["num_pages"] for m in self.decode):
             g = self.decode[0].info["geometry"]
@@ -195,7 +196,7 @@ class Router:
 
     async def generate(self, req: GenerateRequest, seed: int) -> AsyncIterator[TokenEvent]:
         """Tokens of `req` as they are produced (index 0 comes from prefill, the rest from decode)."""
-        self._check_fits_somewhere(req)
+        self.check_admissible(req)
         rid = req.request_id
         generated: list[int] = []
         exclude_decode: set[str] = set()

@@ -1,0 +1,74 @@
+"""Prometheus metrics of the gateway, in a registry owned by the app (no process-wide state).
+
+Latencies are observed here as tokens pass through; the cluster's numbers (running/waiting
+requests, tier bytes and counters, handoff bytes) are read from the router's last poll at scrape
+time, so a scrape never waits on an actor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+
+class _ClusterCollector:
+    def __init__(self, model: str, stats: Callable[[], dict]) -> None:
+        self.model, self.stats = model, stats
+
+    def collect(self):
+        s = self.stats() or {}
+        lab = ["model"]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=lab)
+            g.add_metric([self.model], float(value))
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=lab)
+            c.add_metric([self.model], float(value))
+            return c
+
+        yield gauge("hisparse_requests_running", "Requests decoding on the decode actors", s.get("running", 0))
+        yield gauge("hisparse_requests_waiting", "Requests queued on decode actors or in the router",
+                    s.get("waiting", 0) + s.get("router_waiting", 0))
+        yield gauge("hisparse_prefill_queued_tokens", "Prompt tokens waiting on prefill actors", s.get("prefill_queued_tokens", 0))
+        yield gauge("hisparse_kv_device_bytes_used", "Device bytes holding KV (all decode actors)", s.get("device_bytes_used", 0))
+        yield gauge("hisparse_kv_device_bytes_capacity", "Device KV budget (all decode actors)", s.get("device_bytes_total", 0))
+        yield gauge("hisparse_kv_host_bytes_used", "Host-pool bytes holding C4 entries", s.get("host_bytes_used", 0))
+        yield gauge("hisparse_kv_host_bytes_capacity", "Host-pool capacity", s.get("host_bytes_total", 0))
+        yield counter("hisparse_hot_buffer_hits", "Selected C4 entries already in the hot buffer", s.get("hits", 0))
+        yield counter("hisparse_hot_buffer_misses", "Selected C4 entries copied in from the host pool", s.get("misses", 0))
+        yield counter("hisparse_hot_buffer_h2d_bytes", "Bytes copied host to device by the tier", s.get("bytes_h2d", 0))
+        yield counter("hisparse_handoff_bytes", "Layout bytes handed from prefill to decode", s.get("handoff_bytes", 0))
+        yield gauge("hisparse_decode_actors_alive", "Decode actors answering", s.get("decode_alive", 0))
+        yield gauge("hisparse_prefill_actors_alive", "Prefill actors answering", s.get("prefill_alive", 0))
+        yield gauge("hisparse_integrity_errors", "Failed idle integrity checks on decode actors", s.get("integrity_errors", 0))
+
+
+class Metrics:
+    def __init__(self, model: str, cluster_stats: Callable[[], dict]) -> None:
+        self.model = model
+        self.registry = CollectorRegistry()
+        lab = ["model"]
+        self.ttft = Histogram("hisparse_time_to_first_token_seconds", "Time to first token", lab, registry=self.registry,
+                              buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram("hisparse_inter_token_latency_seconds", "Time between tokens of a request", lab,
+                             registry=self.registry, buckets=_ITL_BUCKETS)
+        self.e2e = Histogram("hisparse_e2e_request_latency_seconds", "End-to-end request latency", lab, registry=self.registry,
+                             buckets=_LATENCY_BUCKETS)
+        self.requests = Counter("hisparse_requests", "Finished requests by finish reason", lab + ["finish_reason"],
+                                registry=self.registry)
+        self.prompt_tokens = Counter("hisparse_prompt_tokens", "Prompt tokens processed", lab, registry=self.registry)
+        self.generation_tokens = Counter("hisparse_generation_tokens", "Tokens generated", lab, registry=self.registry)
+        self.errors = Counter("hisparse_request_errors", "Requests answered with an error, by status", lab + ["status"],
+                              registry=self.registry)
+        self.registry.register(_ClusterCollector(model, cluster_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,103 @@
+"""Turning a request's token stream into OpenAI text: stop strings, held-back text, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.types import SampledToken
+from model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class Piece:
+    text: str
+    tokens: list[SampledToken] = field(default_factory=list)
+    stopped: bool = False
+
+
+class TextStream:
+    """Detokenizes token by token; cuts at the first stop string (which is not returned) and holds back
+    text that could still turn into a stop string, so a stream never emits what it must take back."""
+
+    def __init__(self, tokenizer: Tokenizer | None, stops: list[str]) -> None:
+        self.tok = tokenizer
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""  # everything decoded so far
+        self.sent = 0  # characters of `text` already emitted
+        self.pending_tokens: list[SampledToken] = []
+        self.stopped = False
+
+    def push(self, token: SampledToken) -> Piece:
+        if self.stopped:
+            return Piece("", [], True)
+        self.pending_tokens.append(token)
+        if self.detok is None:
+            return self._flush_tokens("")
+        self.text += self.detok.push(token.token_id)
+        if self.stops:
+            start = max(0, self.sent - self.hold)
+            cut = min((i for i in (self.text.find(s, start) for s in self.stops) if i >= 0), default=-1)
+            if cut >= 0:
+                self.stopped = True
+                out = self.text[self.sent : cut]
+                self.sent = cut
+                return self._flush_tokens(out, stopped=True)
+        limit = len(self.text) - self._held_suffix()
+        out = self.text[self.sent : limit]
+        self.sent = max(self.sent, limit)
+        return self._flush_tokens(out) if out else Piece("", [])
+
+    def _held_suffix(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.text) - self.sent), 0, -1):
+                if self.text.endswith(s[:n]):
+                    best = max(best, n)
+                    break
+        return best
+
+    def _flush_tokens(self, text: str, stopped: bool = False) -> Piece:
+        toks, self.pending_tokens = self.pending_tokens, []
+        return Piece(text, toks, stopped)
+
+    def finish(self) -> Piece:
+        """The stream ended (length or end of sequence): release whatever was held back."""
+        if self.stopped:
+            return Piece("", [], True)
+        if self.detok is not None:
+            self.text += self.detok.flush()
+        out = self.text[self.sent :]
+        self.sent = len(self.text)
+        return self._flush_tokens(out)
+
+
+def token_text(tok: Tokenizer | None, token_id: int) -> str:
+    return tok.decode([token_id], skip_special=False) if tok is not None else f"<{token_id}>"
+
+
+def completion_logprobs(tok: Tokenizer | None, tokens: list[SampledToken], offset: int) -> dict:
+    """Legacy completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t in tokens:
+        s = token_text(tok, t.token_id)
+        out["tokens"].append(s)
+        out["token_logprobs"].append(t.logprob)
+        out["top_logprobs"].append({token_text(tok, i): lp for i, lp in t.top_logprobs})
+        out["text_offset"].append(offset)
+        offset += len(s)
+    return out
+
+
+def chat_logprobs(tok: Tokenizer | None, tokens: list[SampledToken]) -> dict:
+    content = []
+    for t in tokens:
+        s = token_text(tok, t.token_id)
+        content.append({
+            "token": s, "logprob": t.logprob, "bytes": list(s.encode()),
+            "top_logprobs": [{"token": token_text(tok, i), "logprob": lp, "bytes": list(token_text(tok, i).encode())}
+                             for i, lp in t.top_logprobs],
+        })
+    return {"content": content}
