@@ -5,11 +5,10 @@ from __future__ import annotations
 import logging
 import signal
 
-import ray
 import uvicorn
 
 from api.app import build_app
-from cluster.launch import start_ray
+from cluster.launch import start_ray, stop_ray
 from cluster.service import Service
 from core.roles import ServeConfig
 
@@ -36,6 +35,6 @@ def run_server(config: ServeConfig) -> int:
         if e.code not in (signal.SIGTERM, signal.SIGINT):
             raise
     finally:
-        if config.cluster.address is None and ray.is_initialized():
-            ray.shutdown()
+        if config.cluster.address is None:
+            stop_ray()
     return 0 if server.started else 1

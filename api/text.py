@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from core.text import IncrementalDetokenizer
 from core.types import SampledToken
-from model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class Tokenizer(Protocol):
+    def decode(self, ids: list[int], skip_special: bool = True) -> str: ...
 
 
 @dataclass
@@ -21,7 +26,7 @@ class TextStream:
 
     def __init__(self, tokenizer: Tokenizer | None, stops: list[str]) -> None:
         self.tok = tokenizer
-        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.detok = IncrementalDetokenizer(tokenizer.decode) if tokenizer is not None else None
         self.stops = [s for s in stops if s]
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""  # everything decoded so far

@@ -43,6 +43,11 @@ def start_ray(cfg: ClusterConfig, num_cpus: int | None = None) -> None:
         log.info("joined the Ray cluster at %s", cfg.address)
 
 
+def stop_ray() -> None:
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 @dataclass
 class Actors:
     prefill: list = field(default_factory=list)

@@ -92,31 +92,6 @@ class Tokenizer:
         (d / "tokenizer_config.json").write_text(json.dumps(self.config, indent=2) + "\n")
 
 
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text pieces without splitting a UTF-8 character."""
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None) -> None:
-        self.tok = tokenizer
-        self.ids: list[int] = []
-        self.emitted = ""
-
-    def push(self, token_id: int) -> str:
-        """Add one token; return the text that became final with it (possibly empty)."""
-        self.ids.append(token_id)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
-            return ""
-        piece = text[len(self.emitted):] if text.startswith(self.emitted) else text
-        self.emitted = text
-        return piece
-
-    def flush(self) -> str:
-        text = self.tok.decode(self.ids)
-        piece = text[len(self.emitted):] if text.startswith(self.emitted) else ""
-        self.emitted = text
-        return piece
-
-
 def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     """The tokenizer of a model directory, or None when it ships none (token-id prompts only)."""
     d = Path(model_dir)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from core.text import IncrementalDetokenizer
 from core.types import SamplingParams, finish_reason
 from model.sampling import sample
-from model.tokenizer import IncrementalDetokenizer, byte_level_tokenizer, load_tokenizer
+from model.tokenizer import byte_level_tokenizer, load_tokenizer
 
 
 def test_byte_tokenizer_round_trip_and_specials():
@@ -23,7 +24,7 @@ def test_incremental_detokenizer_never_splits_a_character():
     tok = byte_level_tokenizer()
     text = "añb✓c🙂"
     ids = tok.encode(text, add_bos=False)
-    d = IncrementalDetokenizer(tok)
+    d = IncrementalDetokenizer(tok.decode)
     pieces = [d.push(i) for i in ids]
     assert "".join(pieces) + d.flush() == text
     assert all("\ufffd" not in p for p in pieces)
