@@ -20,7 +20,7 @@ from typing import Any
 import ray
 
 from cachetier.layout import KVLayout
-from cluster.handoff import Handoff
+from cluster.handoff import Handoff, Received
 from core.roles import PrefillConfig, TierConfig
 from core.types import HisparseError, TokenEvent
 
@@ -142,14 +142,21 @@ class PrefillActor:
             self.thread.call(lambda: (self.worker.abort(req.request_id), self.futures.pop(req.request_id, None)))
             raise
         nbytes = res.layout.total_bytes()
-        ref = ray.put(res.layout)
-        self.held[req.request_id] = (ref, time.monotonic() + self.config.layout_lease_s, nbytes)
-        self.bytes_sent += nbytes
+        self.held[req.request_id] = (res.layout, time.monotonic() + self.config.layout_lease_s, nbytes)
         return Handoff(
             request_id=req.request_id, first_token=res.first_token, sampling=res.sampling, seed=res.seed,
             prompt_len=res.prompt_len, num_generated=res.num_generated, layout_tokens=res.layout.num_tokens,
-            layout_bytes=nbytes, layout_ref=[ref], source=ray.get_runtime_context().current_actor, prefill_actor=self.name,
+            layout_bytes=nbytes, source=ray.get_runtime_context().current_actor, prefill_actor=self.name,
         )
+
+    async def export(self, request_id: str) -> KVLayout:
+        """The held layout, as this call's return value (moved by the object store or a tensor transport)."""
+        held = self.held.get(request_id)
+        if held is None:
+            raise HisparseError(f"the layout of {request_id} is no longer held (lease of {self.config.layout_lease_s:.0f} s "
+                                "expired or already released)")
+        self.bytes_sent += held[2]
+        return held[0]
 
     async def release(self, request_id: str) -> bool:
         """The decode side has the layout: drop this actor's hold on it."""
@@ -226,20 +233,20 @@ class DecodeActor:
         return {"name": self.name, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "geometry": self.store.geo.describe()}
 
-    async def generate(self, h: Handoff) -> AsyncIterator[TokenEvent]:
+    async def generate(self, h: Handoff, layout: KVLayout) -> AsyncIterator[TokenEvent]:
+        """Stream the tokens of a handed-off request; Ray has fetched `layout` (an export's result) already."""
         from decode.worker import DecodeRequest
 
         self.loop = asyncio.get_running_loop()
         rid = h.request_id
-        t0 = time.perf_counter()
-        layout: KVLayout = await h.layout_ref[0]
-        self.handoff_s[rid] = time.perf_counter() - t0
+        self.handoff_s[rid] = max(0.0, time.time() - h.sent_at) if h.sent_at else 0.0
         got = layout.total_bytes()
         self.bytes_received[rid] = got
         if got != h.layout_bytes:
             raise HisparseError(f"layout of {rid} arrived with {got} bytes, {h.layout_bytes} were sent")
         if h.source is not None:
             h.source.release.remote(rid)
+        yield Received(rid, got)
         q: asyncio.Queue = asyncio.Queue()
         self.streams[rid] = q
         req = DecodeRequest(rid, layout, h.first_token, h.sampling, h.seed, h.num_generated)

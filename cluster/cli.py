@@ -124,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="resources: actors need the node resources hisparse_prefill / hisparse_decode "
                         "(default when joining a cluster); any: anywhere (default for the embedded instance)")
     c.add_argument("--max-restarts", type=int, default=3, help="restarts of a dead actor (default 3)")
-    c.add_argument("--transport", choices=["object_store", "nccl", "nixl"], default="object_store",
-                   help="layout handoff transport (default: the Ray object store)")
+    c.add_argument("--transport", choices=["object_store", "gloo", "nccl", "nixl"], default="object_store",
+                   help="layout handoff: the Ray object store (default) or Ray's direct tensor transport "
+                        "(nccl/nixl between GPU actors, gloo between CPU actors)")
     c.add_argument("--max-batch-tokens", type=int, default=2048, help="prompt tokens per prefill forward")
     c.add_argument("--layout-lease-s", type=float, default=30.0,
                    help="free a prefilled layout not picked up within this many seconds")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import ray
 
 from cluster.actors import DecodeActor, PrefillActor
-from cluster.handoff import ROLE_DECODE, ROLE_PREFILL
+from cluster.handoff import COLLECTIVE_TRANSPORTS, ROLE_DECODE, ROLE_PREFILL, TRANSPORTS
 from core.roles import ClusterConfig, PrefillConfig, TierConfig
 
 log = logging.getLogger(__name__)
@@ -70,10 +70,11 @@ def create_actors(
     model: str, cluster: ClusterConfig, tier: TierConfig, prefill: PrefillConfig, prefix: str = "hisparse", timeout_s: float = 300
 ) -> Actors:
     """Create and wait for the actors; raises with the reason when they cannot be placed in time."""
-    if cluster.transport != "object_store":
-        raise ValueError(f"transport {cluster.transport!r} needs GPU actors with a collective group; "
-                         "this build hands layouts over through the Ray object store only")
-    pcls, dcls = ray.remote(PrefillActor), ray.remote(DecodeActor)
+    if cluster.transport not in TRANSPORTS:
+        raise ValueError(f"unknown transport {cluster.transport!r}; choose one of {TRANSPORTS}")
+    direct = cluster.transport != "object_store"
+    pcls = ray.remote(enable_tensor_transport=True)(PrefillActor) if direct else ray.remote(PrefillActor)
+    dcls = ray.remote(enable_tensor_transport=True)(DecodeActor) if direct else ray.remote(DecodeActor)
     out = Actors()
     for i in range(cluster.num_prefill):
         name = f"{prefix}-prefill-{i}"
@@ -92,6 +93,11 @@ def create_actors(
             "and enough CPUs/GPUs (ray status)"
         )
     infos = ray.get(pending)
+    if cluster.transport in COLLECTIVE_TRANSPORTS:
+        from ray.experimental.collective import create_collective_group
+
+        create_collective_group(out.prefill + out.decode, backend=COLLECTIVE_TRANSPORTS[cluster.transport])
+        log.info("layouts move over %s between %d actors", cluster.transport, len(out.prefill) + len(out.decode))
     out.prefill_info, out.decode_info = infos[: cluster.num_prefill], infos[cluster.num_prefill :]
     for info in infos:
         log.info("actor %s up on node %s (pid %s)", info["name"], info["node_id"][:12], info["pid"])

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, OwnerDiedError, RayActorError
 
+from cluster.handoff import COLLECTIVE_TRANSPORTS, Received
 from cluster.launch import Actors
 from core.types import (
     CapacityError,
@@ -59,11 +60,14 @@ class Member:
 
 
 class Router:
-    def __init__(self, actors: Actors, eos_ids: tuple[int, ...], queue_timeout_s: float = 60.0, poll_s: float = 1.0) -> None:
+    def __init__(self, actors: Actors, eos_ids: tuple[int, ...], queue_timeout_s: float = 60.0, poll_s: float = 1.0,
+                 transport: str = "object_store") -> None:
         self.prefill = [Member(h, i["name"], info=i) for h, i in zip(actors.prefill, actors.prefill_info)]
         self.decode = [Member(h, i["name"], info=i) for h, i in zip(actors.decode, actors.decode_info)]
         self.eos_ids = eos_ids
         self.queue_timeout_s = queue_timeout_s
+        self.transport = transport
+        self._pair_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self.poll_s = poll_s
         self._freed = asyncio.Event()
         self._poller: asyncio.Task | None = None
@@ -216,7 +220,21 @@ class Router:
             gen = None
             try:
                 dm = await self._pick_decode(rid, reserve, exclude_decode)
-                gen = dm.handle.generate.options(num_returns="streaming").remote(h)
+                export = pm.handle.export
+                if self.transport != "object_store":
+                    export = export.options(tensor_transport=self.transport)
+                lock = None
+                if self.transport in COLLECTIVE_TRANSPORTS:
+                    lock = self._pair_locks.setdefault((pm.name, dm.name), asyncio.Lock())
+                    await lock.acquire()
+                try:
+                    h.sent_at = time.time()
+                    gen = dm.handle.generate.options(num_returns="streaming").remote(h, export.remote(rid))
+                    received = await (await gen.__anext__())
+                    assert isinstance(received, Received), received
+                finally:
+                    if lock is not None:
+                        lock.release()
                 async for ref in gen:
                     ev = await ref
                     generated.append(ev.token.token_id)
@@ -229,13 +247,21 @@ class Router:
                 gen = None
                 raise HisparseError(f"decode stream of {rid} ended without a finish reason")
             except _ACTOR_GONE as e:
+                gen = None
+                if len(generated) == 1 and not await self._answers(pm):
+                    # the prefill actor died before its layout was exported: prefill again (once)
+                    self._mark_dead(pm)
+                    prefill_failures += 1
+                    self.retries["prefill"] += 1
+                    if prefill_failures > 1:
+                        raise WorkerUnavailable(f"the layout of {rid} was lost twice (prefill actor failures)") from None
+                    continue
                 log.warning("decode actor %s failed under %s (%s); re-prefilling %d tokens", dm.name if dm else "?", rid,
                             type(e).__name__, len(req.prompt_token_ids) + len(generated))
                 if dm is not None:
                     self._mark_dead(dm)
                     exclude_decode.add(dm.name)
                 self.retries["decode"] += 1
-                gen = None
             except _LAYOUT_GONE:
                 prefill_failures += 1
                 if prefill_failures > 1:
@@ -247,6 +273,13 @@ class Router:
                 if gen is not None:  # the consumer left early (client gone): stop the decode side
                     ray.cancel(gen)
                     pm.handle.abort.remote(rid)
+
+    async def _answers(self, m: Member) -> bool:
+        try:
+            await asyncio.wait_for(_await(m.handle.ready.remote()), timeout=5.0)
+            return True
+        except (*_ACTOR_GONE, asyncio.TimeoutError):
+            return False
 
     # numbers -------------------------------------------------------------------------------------
 

@@ -51,7 +51,7 @@ class Service:
             self._owns_ray = c.cluster.address is None
         model_spec = c.model if c.model == "tiny" else str(self.model_dir)
         self.actors = create_actors(model_spec, c.cluster, c.tier, c.prefill, prefix=self.prefix)
-        self.router = Router(self.actors, self.eos_ids)
+        self.router = Router(self.actors, self.eos_ids, transport=c.cluster.transport)
         await self.router.start()
 
     async def stop(self, shutdown_ray: bool | None = None) -> None:

@@ -84,7 +84,8 @@ class ClusterConfig:
     max_restarts: int = 3
     """Times Ray restarts a dead actor before giving up on it."""
     transport: str = "object_store"
-    """Handoff transport: `object_store` (default) or `nccl`/`nixl` (Ray direct tensor transport, GPUs)."""
+    """Handoff transport: `object_store` (default), or Ray's direct tensor transport: `nccl`/`nixl` (GPUs),
+    `gloo` (CPUs)."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,42 @@
+"""Ray's direct tensor transport for the handoff (gloo between CPU actors): same tokens, same bytes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+from conftest import run
+
+from cluster.inprocess import InProcessEngine
+from cluster.service import Service
+from core.roles import ClusterConfig, ServeConfig, TierConfig
+from core.types import GenerateRequest, SamplingParams
+
+pytestmark = pytest.mark.ray
+TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=4 * 2**20, host_pool_bytes=16 * 2**20)
+
+
+def test_gloo_transport_hands_layouts_over(loop, tiny_dir, tiny_model):
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             runtime_env={"env_vars": {"HISPARSE_CACHE": str(tiny_dir.parent.parent)}})
+    svc = Service(ServeConfig(model="tiny", tier=TIER, cluster=ClusterConfig(placement="any", transport="gloo")), prefix="gloo")
+    try:
+        run(loop, svc.start())
+        reqs = [GenerateRequest(f"g{i}", tuple(range(20 + i, 90 + 3 * i)), SamplingParams(max_tokens=10, ignore_eos=True))
+                for i in range(3)]
+
+        async def go():
+            return await asyncio.gather(*(svc.complete(r) for r in reqs))
+
+        got = {r.request_id: [e.token.token_id for e in evs] for r, evs in zip(reqs, run(loop, go()))}
+        eng = InProcessEngine(tiny_model, TIER)
+        ref = {k: v.token_ids for k, v in eng.generate(reqs).items()}
+        eng.close()
+        assert got == ref
+        rec = ray.get(svc.actors.decode[0].handoff_record.remote("g2"))
+        _, layout = tiny_model.prefill(list(reqs[2].prompt_token_ids), last_only=True)
+        assert rec["bytes"] == layout.total_bytes()
+        assert ray.get(svc.actors.prefill[0].stats.remote())["held_layouts"] == 0  # picked up and released
+    finally:
+        run(loop, svc.stop(shutdown_ray=True))
