@@ -164,6 +164,9 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"hisparse serve: {e}", file=sys.stderr)
         return 2
+    from cluster.auth import token_auth_for_join
+
+    token_auth_for_join(config.cluster.address)  # before ray is first imported
     from api.server import run_server  # the serve command is where the gateway comes in
 
     return run_server(config)

@@ -6,7 +6,7 @@ uses it as the single-process baseline. The same worker classes run inside the R
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from cachetier.store import KVStore, TieredStore
@@ -49,8 +49,10 @@ class InProcessEngine:
         self.store = store if store is not None else TieredStore(model.cfg, tier, dtype=model.dtype, device=model.device)
         self.decode = DecodeWorker(model, self.store, max_running=tier.max_running)
 
-    def generate(self, requests: Iterable[GenerateRequest], seeds: dict[str, int] | None = None) -> dict[str, Completion]:
-        """Run requests to completion; a request's seed is its sampling seed, else `seeds[id]`, else 0."""
+    def generate(self, requests: Iterable[GenerateRequest], seeds: dict[str, int] | None = None,
+                 on_event: Callable[[TokenEvent], None] | None = None) -> dict[str, Completion]:
+        """Run requests to completion; a request's seed is its sampling seed, else `seeds[id]`, else 0.
+        `on_event` sees every token as it is produced (for timing)."""
         out: dict[str, Completion] = {}
         for r in requests:
             seed = r.sampling.seed if r.sampling.seed is not None else (seeds or {}).get(r.request_id, 0)
@@ -60,11 +62,16 @@ class InProcessEngine:
         while self.prefill.has_work() or self.decode.has_work():
             for res in self.prefill.step():
                 reason = finish_reason(res.first_token.token_id, 1, res.sampling, eos)
-                out[res.request_id].events.append(TokenEvent(res.request_id, 0, res.first_token, reason))
+                ev = TokenEvent(res.request_id, 0, res.first_token, reason)
+                out[res.request_id].events.append(ev)
+                if on_event is not None:
+                    on_event(ev)
                 if reason is None:
                     self.decode.submit(decode_request(res))
             for ev in self.decode.step():
                 out[ev.request_id].events.append(ev)
+                if on_event is not None:
+                    on_event(ev)
         return out
 
     def close(self) -> None:
