@@ -53,7 +53,8 @@ class _Running:
 
 
 class DecodeWorker:
-    def __init__(self, model: V4Model, store: KVStore, max_running: int = 64, eos_ids: tuple[int, ...] | None = None) -> None:
+    def __init__(self, model: V4Model, store: KVStore, max_running: int = 64, eos_ids: tuple[int, ...] | None = None,
+                 check_when_idle: bool = True) -> None:
         self.model = model
         self.store = store
         self.max_running = max_running
@@ -62,6 +63,8 @@ class DecodeWorker:
         self.running: dict[str, _Running] = {}
         self.steps = 0
         self.tokens_out = 0
+        self.check_when_idle = check_when_idle
+        self.integrity_checks = 0
 
     # requests in and out -------------------------------------------------------------------------
 
@@ -75,6 +78,8 @@ class DecodeWorker:
         if request_id in self.running:
             del self.running[request_id]
             self.store.free(request_id)
+            if self.check_when_idle and not self.running and not self.waiting:
+                self.check_integrity()
             return True
         for req in self.waiting:
             if req.request_id == request_id:
@@ -116,12 +121,16 @@ class DecodeWorker:
                 self.store.free(rid)
         self.steps += 1
         self.tokens_out += len(events)
+        if self.check_when_idle and not self.running and not self.waiting:
+            self.check_integrity()  # idle: nothing in flight can hide a leak, and the check costs no latency
         return events
 
     def check_integrity(self) -> None:
         self.store.check_integrity()
+        self.integrity_checks += 1
 
     def stats(self) -> dict:
-        out = {"running": len(self.running), "waiting": len(self.waiting), "steps": self.steps, "tokens_out": self.tokens_out}
+        out = {"running": len(self.running), "waiting": len(self.waiting), "steps": self.steps, "tokens_out": self.tokens_out,
+               "integrity_checks": self.integrity_checks}
         out.update(self.store.stats())
         return out

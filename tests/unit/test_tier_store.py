@@ -136,3 +136,21 @@ def test_integrity_check_catches_corruption(tiny_model):
         worker.check_integrity()
     store.pages.owner[page] = "x"
     worker.check_integrity()
+
+
+def test_worker_checks_integrity_when_it_goes_idle(tiny_model):
+    store = TieredStore(tiny_model.cfg, TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=3 * 2**20,
+                                                   host_pool_bytes=8 * 2**20))
+    worker = DecodeWorker(tiny_model, store)
+    worker.submit(_request(tiny_model, "i", 100, 6))
+    while worker.has_work():
+        assert worker.integrity_checks == 0
+        worker.step()
+    assert worker.integrity_checks == 1
+    # and a broken invariant surfaces at that moment
+    worker.submit(_request(tiny_model, "j", 100, 3))
+    worker.step()
+    store.pages.num_free -= 1  # a page leaks
+    with pytest.raises(IntegrityError):
+        while worker.has_work():
+            worker.step()
