@@ -383,10 +383,10 @@ class TieredBatch(DecodeKV):
         self.blocks = torch.full((len(residents), nb), 0, dtype=torch.long, device=dev)
         for b, r in enumerate(residents):
             self.blocks[b, : len(r.blocks)] = r.blocks_t
-        if store.host_alloc is not None:
-            self.host_blocks = torch.zeros(len(residents), nb, dtype=torch.long)
+        if store.host_alloc is not None:  # on the device: resolve reads it there without a host sync
+            self.host_blocks = torch.zeros(len(residents), nb, dtype=torch.long, device=dev)
             for b, r in enumerate(residents):
-                self.host_blocks[b, : len(r.host_blocks)] = r.host_blocks_t
+                self.host_blocks[b, : len(r.host_blocks)] = r.host_blocks_t.to(dev)
         self.arange_b = torch.arange(len(residents), device=dev)
 
     # state ---------------------------------------------------------------------------------------
@@ -461,9 +461,8 @@ class TieredBatch(DecodeKV):
     def _append_c4_tiered(self, j, rows, e, entries) -> None:
         """New C4 entry: authoritative copy to the host pool, and into the ring of the hot buffer."""
         g, s = self.g, self.s
-        e_cpu, rows_cpu = e.cpu(), rows.cpu()
-        hb = self.host_blocks[rows_cpu]
-        host_rows = hb.gather(1, (e_cpu // g.e4)[:, None]).squeeze(1) * g.e4 + e_cpu % g.e4
+        hb = self.host_blocks[rows]
+        host_rows = (hb.gather(1, (e // g.e4)[:, None]).squeeze(1) * g.e4 + e % g.e4).cpu()
         s.host.kv[j, host_rows] = entries.to("cpu", s.host.kv.dtype)
         s.bytes_d2h += entries.numel() * entries.element_size()
         if not g.reserved:
@@ -510,10 +509,9 @@ class TieredBatch(DecodeKV):
             rows = self._entry_rows("c4", j, self.arange_b, safe)
             return Segment(s.rows(g.d), torch.where(valid, rows, -1))
         map_rows = self._map_rows(self.arange_b, safe)
-        safe_cpu = safe.cpu()
-        host_rows = self.host_blocks.gather(1, safe_cpu // g.e4) * g.e4 + safe_cpu % g.e4
+        host_rows = self.host_blocks.gather(1, safe // g.e4) * g.e4 + safe % g.e4
         slots = resolve(
-            ids, map_rows, host_rows.to(ids.device), self.groups, s.entry_map[j], s.hot_view(j), s.hot_entry_row[j],
+            ids, map_rows, host_rows, self.groups, s.entry_map[j], s.hot_view(j), s.hot_entry_row[j],
             s.hot_stamp[j], s.host.kv[j], s.step_no, s.counters[j],
         )
         f = g.state_fields["hot"]

@@ -11,7 +11,7 @@ import json
 import logging
 import sys
 
-from cluster import bench_cmd, plan_cmd
+from cluster import bench_cmd, plan_cmd, train_cmd
 
 
 def _int_list(s: str) -> list[int]:
@@ -134,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
+    train_cmd.add_parser(sub)
     return parser
 
 
@@ -151,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             return plan_cmd.run(args)
         if args.command == "bench":
             return bench_cmd.run(args)
+        if args.command == "train":
+            return train_cmd.run(args)
         if args.command == "serve":
             return _serve(args)
     except KeyboardInterrupt:

@@ -242,10 +242,19 @@ def deepseek_state(model: V4Model) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_checkpoint(model: V4Model, model_dir: str | Path) -> None:
-    """Write config.json (HF spelling) and model.safetensors (DeepSeek names); both we and HF read it."""
+def save_checkpoint(model: V4Model, model_dir: str | Path, dtype: torch.dtype | None = None) -> None:
+    """Write config.json (HF spelling) and model.safetensors (DeepSeek names); both we and HF read it.
+
+    With `dtype`, floating-point matrices are stored in it (e.g. bf16 to halve the file); norms,
+    sinks, position biases, hyper-connection and routing parameters stay fp32, as they load.
+    """
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(json.dumps(to_hf_dict(model.cfg), indent=2) + "\n")
-    save_file({k: v.detach().cpu() for k, v in deepseek_state(model).items()}, str(model_dir / "model.safetensors"),
-              metadata={"format": "pt"})
+    state = {}
+    for k, v in deepseek_state(model).items():
+        v = v.detach().cpu()
+        if dtype is not None and v.is_floating_point() and v.dim() >= 2 and not k.startswith("hc_") and ".hc_" not in k:
+            v = v.to(dtype)
+        state[k] = v.contiguous()
+    save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
