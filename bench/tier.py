@@ -211,7 +211,9 @@ def lru_miss_rate_on_trace(k: int, n_entries: int, steps: int, buffer_slots: int
 # --- step cost and miss rate on the model ---------------------------------------------------------
 
 
-def _requests(model, batch: int, context: int, max_tokens: int, seed: int = 0):
+def _requests(model, batch: int, context: int, max_tokens: int, seed: int = 0, prompts: list[list[int]] | None = None,
+              temperature: float = 0.0):
+    """Prefilled decode requests: the given prompts, or random tokens of `context` length."""
     from core.types import SamplingParams
     from decode.worker import DecodeRequest
     from model.sampling import sample
@@ -219,8 +221,11 @@ def _requests(model, batch: int, context: int, max_tokens: int, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(batch):
-        ids = torch.randint(6, model.cfg.vocab_size, (context,), generator=g).tolist()
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        if prompts is not None:
+            ids = list(prompts[i % len(prompts)])
+        else:
+            ids = torch.randint(6, model.cfg.vocab_size, (context,), generator=g).tolist()
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, top_p=0.95)
         logits, lay = model.prefill(ids, last_only=True)
         out.append(DecodeRequest(f"s{i}", lay, sample(logits, [sp], [i], [0])[0], sp, i))
     return out
@@ -238,10 +243,11 @@ def _worker(model, offload: bool, lru: int | None, budget: int, wrap=None):
     return DecodeWorker(model, store, max_running=1024)
 
 
-def step_cost(batch: int, context: int, steps: int, budget: int, repeats: int) -> dict:
-    model = _model()
+def step_cost(batch: int, context: int, steps: int, budget: int, repeats: int, model=None,
+              prompts: list[list[int]] | None = None) -> dict:
+    model = model or _model()
     k = model.cfg.index_topk
-    reqs = _requests(model, batch, context, 10_000)
+    reqs = _requests(model, batch, context, 10_000, prompts=prompts)
     out = {"batch": batch, "context": context, "steps": steps, "hot_buffer_slots": 2 * k}
     for label, make_trace in (("builtin_model", None), ("synthetic_trace_60pct_overlap", lambda: DriftingTopK(k))):
         times = {"on": [], "off": []}
@@ -267,10 +273,11 @@ def step_cost(batch: int, context: int, steps: int, budget: int, repeats: int) -
     return out
 
 
-def miss_rate(tokens: int, trace_steps: int, budget: int) -> dict:
-    model = _model()
+def miss_rate(tokens: int, trace_steps: int, budget: int, model=None, prompts: list[list[int]] | None = None,
+              temperature: float = 0.0, synthetic: bool = True) -> dict:
+    model = model or _model()
     k = model.cfg.index_topk
-    reqs = _requests(model, 4, 256, tokens, seed=1)
+    reqs = _requests(model, 4, 256, tokens, seed=1, prompts=prompts, temperature=temperature)
     out = {"index_topk": k, "published_lru_miss": PUBLISHED_LRU_MISS, "builtin_model": {}, "synthetic_trace": {}}
     for name, lru in (("k", k), ("2k", 2 * k), ("4k", 4 * k)):
         log: dict = {}
@@ -291,7 +298,7 @@ def miss_rate(tokens: int, trace_steps: int, budget: int) -> dict:
         w.store.close()
         progress(f"miss rate builtin model at B={name}: {out['builtin_model'][name]['miss_rate']}")
     tk, n = 512, 16384  # V4-Flash's top-k over a 64K-token context
-    for name, lru in (("k", tk), ("2k", 2 * tk), ("4k", 4 * tk)):
+    for name, lru in () if not synthetic else (("k", tk), ("2k", 2 * tk), ("4k", 4 * tk)):
         rate, ov = lru_miss_rate_on_trace(tk, n, trace_steps, lru)
         out["synthetic_trace"][name] = {"hot_buffer_slots": lru, "miss_rate": round(rate, 4)}
         out["synthetic_trace"]["consecutive_overlap"] = round(ov, 4)

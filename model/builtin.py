@@ -1,9 +1,13 @@
-"""The built-in model `tiny`: a small DeepSeek-V4 with every layer kind, written once as a model directory.
+"""The built-in model `tiny`: a small DeepSeek-V4 with every layer kind.
 
-Its weights are random but fixed by a seed; it is written as an HF-style directory (config.json,
-model.safetensors, tokenizer.json) under the cache folder and loaded by the same loader as any
-checkpoint. The geometry keeps CSA meaningful: at a few hundred tokens there are several times more
-C4 entries than `index_topk`, and the HCA rate is small enough to emit entries early. Widths keep
+It ships with the package as an HF-style directory (`model/assets/tiny`: config.json,
+model.safetensors, tokenizer.json, training.json), trained by `hisparse train` on the Python standard
+library, and loads through the same loader as any checkpoint. Without the shipped directory (a
+build that left it out), a model of the same geometry with random weights fixed by a seed and a
+byte-level tokenizer is written once under the cache folder instead.
+
+The geometry keeps CSA meaningful: at a few hundred tokens there are several times more C4 entries
+than `index_topk`, and the HCA rate is small enough to emit entries early. Widths keep
 V4's proportions where the tier cares (indexer keys a quarter of an entry, HCA far sparser than C4),
 so the device/host split behaves like the real model's.
 """
@@ -94,10 +98,21 @@ def cache_dir() -> Path:
     return Path(base)
 
 
+SHIPPED = Path(__file__).resolve().parent / "assets" / BUILTIN
+
+
 def ensure_builtin(name: str = BUILTIN) -> Path:
-    """The directory of the built-in model, written on first use (atomically, so racing processes agree)."""
+    """The directory of the built-in model: the shipped trained one, else a random one written on first
+    use (atomically, so racing processes agree)."""
     if name != BUILTIN:
         raise ValueError(f"unknown built-in model {name!r}; the built-in model is {BUILTIN!r}")
+    if (SHIPPED / "model.safetensors").is_file():
+        return SHIPPED
+    return random_builtin()
+
+
+def random_builtin() -> Path:
+    """The random-weight model of the built-in geometry, written under the cache folder on first use."""
     target = cache_dir() / "models" / f"{BUILTIN}-{_VERSION}"
     if (target / "model.safetensors").is_file():
         return target
