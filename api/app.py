@@ -211,6 +211,106 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
+def _usage_wanted(body) -> bool:
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+class CompletionFormat:
+    """/v1/completions: `text` choices, legacy logprobs, echo as the first chunk."""
+
+    id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    def __init__(self, tok, logprobs: bool) -> None:
+        self.tok, self.logprobs = tok, logprobs
+
+    def choice(self, job: Job, r: ChoiceResult) -> dict:
+        lp = completion_logprobs(self.tok, r.tokens, len(job.echo)) if self.logprobs else None
+        return {"index": job.index, "text": r.text, "logprobs": lp, "finish_reason": r.finish_reason}
+
+    def opening(self, job: Job) -> dict | None:
+        return {"index": job.index, "text": job.echo, "logprobs": None, "finish_reason": None} if job.echo else None
+
+    def chunk(self, job: Job, piece: Piece, reason: str | None, offset: int) -> dict:
+        lp = completion_logprobs(self.tok, piece.tokens, offset) if self.logprobs else None
+        return {"index": job.index, "text": piece.text, "logprobs": lp, "finish_reason": reason}
+
+
+class ChatFormat:
+    """/v1/chat/completions: assistant messages, `delta` chunks opened by the role, content logprobs."""
+
+    id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, tok, logprobs: bool) -> None:
+        self.tok, self.logprobs = tok, logprobs
+
+    def choice(self, job: Job, r: ChoiceResult) -> dict:
+        return {"index": job.index, "message": {"role": "assistant", "content": r.text},
+                "logprobs": chat_logprobs(self.tok, r.tokens) if self.logprobs else None, "finish_reason": r.finish_reason}
+
+    def opening(self, job: Job) -> dict | None:
+        return {"index": job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def chunk(self, job: Job, piece: Piece, reason: str | None, offset: int) -> dict:
+        return {"index": job.index, "delta": {"content": piece.text} if piece.text else {},
+                "logprobs": chat_logprobs(self.tok, piece.tokens) if self.logprobs else None, "finish_reason": reason}
+
+
+async def respond(g: Gateway, rid: str, jobs: list[Job], stops: list[str], prompt_tokens: int, stream: bool,
+                  include_usage: bool, fmt):
+    """Run the choices and answer in one JSON body or as an SSE stream, in the endpoint's format."""
+    created, cid, t0 = int(time.time()), f"{fmt.id_prefix}-{rid}", time.perf_counter()
+    if not stream:
+        with g.slot():
+            first: list = []
+            try:
+                results = await asyncio.gather(*(g.collect(rid, j, stops, t0, first) for j in jobs))
+            except Exception as e:
+                err = errors.from_exception(e)
+                g.metrics.errors.labels(g.model_name, str(err.status)).inc()
+                raise err from None
+        g.finished(t0, [r.finish_reason for r in results], prompt_tokens)
+        return {"id": cid, "object": fmt.object, "created": created, "model": g.model_name,
+                "choices": [fmt.choice(j, r) for j, r in zip(jobs, results)],
+                "usage": _usage(prompt_tokens, sum(len(r.tokens) for r in results))}
+
+    async def events():
+        with g.slot():
+            first: list = []
+            head = {"id": cid, "object": fmt.chunk_object, "created": created, "model": g.model_name}
+            reasons, completion_tokens, offsets = {}, 0, {j.index: len(j.echo) for j in jobs}
+            for j in jobs:
+                opening = fmt.opening(j)
+                if opening is not None:
+                    yield _sse({**head, "choices": [opening]})
+            try:
+                async for item in g.merged(rid, jobs, stops, t0, first):
+                    if isinstance(item, Exception):
+                        raise item
+                    j, piece, reason = item
+                    completion_tokens += len(piece.tokens)
+                    reasons[j.index] = reason
+                    yield _sse({**head, "choices": [fmt.chunk(j, piece, reason, offsets[j.index])]})
+                    offsets[j.index] += len(piece.text)
+            except Exception as e:
+                err = errors.from_exception(e)
+                g.metrics.errors.labels(g.model_name, str(err.status)).inc()
+                yield _sse(err.body())
+                yield "data: [DONE]\n\n"
+                return
+            g.finished(t0, list(reasons.values()), prompt_tokens)
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+            yield "data: [DONE]\n\n"
+
+    with g.slot():  # refuse now (429) rather than after the stream has started
+        pass
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
 def _prompts(gw: Gateway, prompt) -> tuple[list[list[int]], list[str]]:
     """The prompt field in all its forms -> token-id lists and their texts (for echo)."""
     if isinstance(prompt, str):
@@ -299,61 +399,8 @@ def build_app(service: Service, cfg: ServerConfig | None = None, manage_service:
                 j.index, j.prompt_index = len(jobs), p
                 jobs.append(j)
         prompt_tokens = sum(len(p) for p in prompts)
-        created, cid, t0 = int(time.time()), f"cmpl-{rid}", time.perf_counter()
-        if not body.stream:
-            with g.slot():
-                first: list = []
-                try:
-                    results = await asyncio.gather(*(g.collect(rid, j, stops, t0, first) for j in jobs))
-                except Exception as e:
-                    g.metrics.errors.labels(g.model_name, str(errors.from_exception(e).status)).inc()
-                    raise errors.from_exception(e) from None
-            g.finished(t0, [r.finish_reason for r in results], prompt_tokens)
-            completion_tokens = sum(len(r.tokens) for r in results)
-            choices = []
-            for j, r in zip(jobs, results):
-                lp = completion_logprobs(g.tok, r.tokens, len(j.echo)) if body.logprobs is not None else None
-                choices.append({"index": j.index, "text": r.text, "logprobs": lp, "finish_reason": r.finish_reason})
-            return {"id": cid, "object": "text_completion", "created": created, "model": g.model_name, "choices": choices,
-                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                              "total_tokens": prompt_tokens + completion_tokens}}
-
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        async def stream():
-            with g.slot():
-                first: list = []
-                reasons, completion_tokens, offsets = {}, 0, {j.index: len(j.echo) for j in jobs}
-                head = {"id": cid, "object": "text_completion", "created": created, "model": g.model_name}
-                for j in jobs:
-                    if j.echo:
-                        yield _sse({**head, "choices": [{"index": j.index, "text": j.echo, "logprobs": None, "finish_reason": None}]})
-                try:
-                    async for item in g.merged(rid, jobs, stops, t0, first):
-                        if isinstance(item, Exception):
-                            raise item
-                        j, piece, reason = item
-                        completion_tokens += len(piece.tokens)
-                        lp = completion_logprobs(g.tok, piece.tokens, offsets[j.index]) if body.logprobs is not None else None
-                        offsets[j.index] += len(piece.text)
-                        reasons[j.index] = reason
-                        yield _sse({**head, "choices": [{"index": j.index, "text": piece.text, "logprobs": lp,
-                                                         "finish_reason": reason}]})
-                except Exception as e:
-                    err = errors.from_exception(e)
-                    g.metrics.errors.labels(g.model_name, str(err.status)).inc()
-                    yield _sse(err.body())
-                    yield "data: [DONE]\n\n"
-                    return
-                g.finished(t0, list(reasons.values()), prompt_tokens)
-                if include_usage:
-                    yield _sse({**head, "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                                                 "total_tokens": prompt_tokens + completion_tokens}})
-                yield "data: [DONE]\n\n"
-
-        with g.slot():  # refuse now (429) rather than after the stream has started
-            pass
-        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        fmt = CompletionFormat(g.tok, body.logprobs is not None)
+        return await respond(g, rid, jobs, stops, prompt_tokens, body.stream, _usage_wanted(body), fmt)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -374,59 +421,7 @@ def build_app(service: Service, cfg: ServerConfig | None = None, manage_service:
         sp = g.sampling(body, max_tokens, len(ids), logprobs)
         stops = g.stops(body.stop)
         jobs = g.jobs([ids], sp, body.n, [""])
-        created, cid, t0 = int(time.time()), f"chatcmpl-{rid}", time.perf_counter()
-        prompt_tokens = len(ids)
-        if not body.stream:
-            with g.slot():
-                first: list = []
-                try:
-                    results = await asyncio.gather(*(g.collect(rid, j, stops, t0, first) for j in jobs))
-                except Exception as e:
-                    g.metrics.errors.labels(g.model_name, str(errors.from_exception(e).status)).inc()
-                    raise errors.from_exception(e) from None
-            g.finished(t0, [r.finish_reason for r in results], prompt_tokens)
-            completion_tokens = sum(len(r.tokens) for r in results)
-            choices = [{"index": j.index, "message": {"role": "assistant", "content": r.text},
-                        "logprobs": chat_logprobs(g.tok, r.tokens) if logprobs is not None else None,
-                        "finish_reason": r.finish_reason} for j, r in zip(jobs, results)]
-            return {"id": cid, "object": "chat.completion", "created": created, "model": g.model_name, "choices": choices,
-                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                              "total_tokens": prompt_tokens + completion_tokens}}
-
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        async def stream():
-            with g.slot():
-                first: list = []
-                head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": g.model_name}
-                reasons, completion_tokens = {}, 0
-                for j in jobs:
-                    yield _sse({**head, "choices": [{"index": j.index, "delta": {"role": "assistant", "content": ""},
-                                                     "logprobs": None, "finish_reason": None}]})
-                try:
-                    async for item in g.merged(rid, jobs, stops, t0, first):
-                        if isinstance(item, Exception):
-                            raise item
-                        j, piece, reason = item
-                        completion_tokens += len(piece.tokens)
-                        reasons[j.index] = reason
-                        delta = {"content": piece.text} if piece.text else {}
-                        lp = chat_logprobs(g.tok, piece.tokens) if logprobs is not None else None
-                        yield _sse({**head, "choices": [{"index": j.index, "delta": delta, "logprobs": lp, "finish_reason": reason}]})
-                except Exception as e:
-                    err = errors.from_exception(e)
-                    g.metrics.errors.labels(g.model_name, str(err.status)).inc()
-                    yield _sse(err.body())
-                    yield "data: [DONE]\n\n"
-                    return
-                g.finished(t0, list(reasons.values()), prompt_tokens)
-                if include_usage:
-                    yield _sse({**head, "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                                                 "total_tokens": prompt_tokens + completion_tokens}})
-                yield "data: [DONE]\n\n"
-
-        with g.slot():
-            pass
-        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        fmt = ChatFormat(g.tok, logprobs is not None)
+        return await respond(g, rid, jobs, stops, len(ids), body.stream, _usage_wanted(body), fmt)
 
     return app

@@ -1,4 +1,4 @@
-"""A real local Ray instance on 127.0.0.1 for the cluster tests, and an event loop that outlives each test."""
+"""Cluster tests: an event loop that outlives each test (the router's tasks live on it)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-ray = pytest.importorskip("ray")
+pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")
@@ -14,7 +14,3 @@ def loop():
     lp = asyncio.new_event_loop()
     yield lp
     lp.close()
-
-
-def run(loop, coro, timeout: float = 300):
-    return loop.run_until_complete(asyncio.wait_for(coro, timeout))

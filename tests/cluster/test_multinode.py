@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 import ray
-from conftest import run
 from ray.cluster_utils import Cluster
+from serving_helpers import run
 
 from cluster.handoff import ROLE_DECODE, ROLE_PREFILL
 from cluster.inprocess import InProcessEngine

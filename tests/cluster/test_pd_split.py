@@ -7,7 +7,7 @@ import time
 
 import pytest
 import ray
-from conftest import run
+from serving_helpers import run
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service

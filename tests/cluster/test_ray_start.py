@@ -7,21 +7,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+from serving_helpers import free_port, wait_healthy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_ray_start_then_serve_with_address(tiny_dir, tmp_path):
@@ -29,30 +22,20 @@ def test_ray_start_then_serve_with_address(tiny_dir, tmp_path):
     if ray_bin is None:
         pytest.skip("the `ray` command is not installed next to this Python")
     env = dict(os.environ, HISPARSE_CACHE=str(tiny_dir.parent.parent))
-    gcs = _free_port()
+    gcs = free_port()
     resources = json.dumps({"hisparse_prefill": 1, "hisparse_decode": 1})
     head = subprocess.run([ray_bin, "start", "--head", "--port", str(gcs), "--node-ip-address", "127.0.0.1", "--num-cpus", "2",
                            "--resources", resources, "--include-dashboard", "false", "--disable-usage-stats"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert head.returncode == 0, head.stdout + head.stderr
-    port = _free_port()
+    port = free_port()
     proc = None
     try:
         proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--address", f"127.0.0.1:{gcs}", "--port", str(port),
                                  "--placement", "resources", "--device-budget", "16MiB"],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise AssertionError("hisparse serve --address did not become healthy")
+        wait_healthy(url, proc)
         r = httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         proc.send_signal(signal.SIGTERM)

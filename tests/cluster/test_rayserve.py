@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import socket
-import time
-
 import httpx
 import pytest
 import ray
+from serving_helpers import free_port, wait_healthy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -16,9 +14,7 @@ def test_serve_application_answers(tiny_dir):
     serve = pytest.importorskip("ray.serve", reason='Ray Serve is not installed (pip install "ray[serve]")')
     from cluster.rayserve import app_builder
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ray.init(address="local", num_cpus=3, include_dashboard=False, _node_ip_address="127.0.0.1",
              resources={"hisparse_prefill": 1, "hisparse_decode": 1},
              runtime_env={"env_vars": {"HISPARSE_CACHE": str(tiny_dir.parent.parent)}})
@@ -28,16 +24,7 @@ def test_serve_application_answers(tiny_dir):
                                         "--prefill-num-cpus", "0.5", "--decode-num-cpus", "0.5"]}),
                   name="hisparse", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise AssertionError("the Serve application did not become healthy")
+        wait_healthy(url)
         r = httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         assert httpx.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 0}, timeout=60).status_code == 400

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import ray
-from conftest import run
+from serving_helpers import run
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service

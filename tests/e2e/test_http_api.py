@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 import ray
-from conftest import free_port, start_gateway, stop_gateway
+from serving_helpers import free_port, start_gateway, stop_gateway
 
 from cluster.inprocess import InProcessEngine
 from core.roles import ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, TierConfig

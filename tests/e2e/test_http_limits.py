@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 import ray
-from conftest import free_port, start_gateway, stop_gateway
+from serving_helpers import free_port, start_gateway, stop_gateway
 
 from core.roles import ClusterConfig, ServeConfig, ServerConfig, TierConfig
 

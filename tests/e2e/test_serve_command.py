@@ -6,11 +6,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
-from conftest import free_port
+from serving_helpers import free_port, wait_healthy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -23,17 +22,7 @@ def test_hisparse_serve_end_to_end(tiny_dir):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise AssertionError("hisparse serve did not become healthy")
+        wait_healthy(url, proc)
         r = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 5, "ignore_eos": True}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "tiny"

@@ -1,0 +1,60 @@
+"""Helpers shared by the tests that start Ray or servers: a free port, waiting for /health, running a
+coroutine on a test's loop, an in-process gateway. (Not in a conftest: test modules of different
+folders would import one another's conftest under the same name.)"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import time
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 180.0) -> None:
+    """Poll `url`/health until it answers 200; fail early (with its output) if `proc` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the server exited with {proc.returncode}:\n{proc.stdout.read() if proc.stdout else ''}")
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{url} did not become healthy within {timeout_s:.0f} s")
+
+
+def run(loop, coro, timeout: float = 300):
+    """Run `coro` on a loop that outlives each test (the router's tasks live on it)."""
+    return loop.run_until_complete(asyncio.wait_for(coro, timeout))
+
+
+def start_gateway(cfg, tiny_dir):
+    """The gateway under uvicorn on a background thread; Ray and the actors in this process."""
+    from types import SimpleNamespace
+
+    import ray
+
+    from api.server import BackgroundServer
+    from cluster.service import Service
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 runtime_env={"env_vars": {"HISPARSE_CACHE": str(tiny_dir.parent.parent)}})
+    service = Service(cfg, prefix=f"e2e{cfg.server.port}")
+    server = BackgroundServer(service, cfg, cfg.server.port)
+    server.start()
+    return SimpleNamespace(url=server.url, service=service, server=server, app=server.app)
+
+
+def stop_gateway(gw) -> None:
+    gw.server.stop()
