@@ -41,10 +41,10 @@ def _load(model_spec: str, num_threads: int):
 class _StepThread:
     """Runs `step()` whenever there is work; executes commands between steps."""
 
-    def __init__(self, name: str, has_work: Callable[[], bool], step: Callable[[], None], idle: Callable[[], None]) -> None:
+    def __init__(self, name: str, has_work: Callable[[], bool], step: Callable[[], None]) -> None:
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
-        self._has_work, self._step, self._idle = has_work, step, idle
+        self._has_work, self._step = has_work, step
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -54,7 +54,6 @@ class _StepThread:
         self.wake.set()
 
     def _run(self) -> None:
-        was_busy = False
         while True:
             while True:
                 try:
@@ -66,14 +65,25 @@ class _StepThread:
                 except BaseException as e:  # a command's failure goes back through its own future
                     log.exception("command failed: %s", e)
             if self._has_work():
-                was_busy = True
                 self._step()
                 continue
-            if was_busy:
-                self._idle()
-                was_busy = False
             self.wake.wait(timeout=1.0)
             self.wake.clear()
+
+
+async def _on_thread(thread: _StepThread, fn: Callable[[], Any]):
+    """Run `fn` on the step thread between steps (the worker is never touched by two threads)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def run() -> None:
+        try:
+            _resolve(loop, fut, fn())
+        except BaseException as e:
+            _resolve(loop, fut, error=e)
+
+    thread.call(run)
+    return await fut
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value=None, error: BaseException | None = None) -> None:
@@ -101,7 +111,7 @@ class PrefillActor:
         self.held: dict[str, tuple[Any, float, int]] = {}
         self.freed_by_lease = 0
         self.bytes_sent = 0
-        self.thread = _StepThread(f"prefill-{name}", self.worker.has_work, self._step, lambda: None)
+        self.thread = _StepThread(f"prefill-{name}", self.worker.has_work, self._step)
         self._sweeper: asyncio.Task | None = None
 
     def _step(self) -> None:
@@ -177,9 +187,11 @@ class PrefillActor:
                 log.warning("layout of %s was not picked up within %.0f s; freed", rid, self.config.layout_lease_s)
 
     async def stats(self) -> dict:
-        return {"name": self.name, "queued_tokens": self.worker.queued_tokens(), "pending": len(self.worker.pending),
+        queued, pending, tokens_in = await _on_thread(
+            self.thread, lambda: (self.worker.queued_tokens(), len(self.worker.pending), self.worker.tokens_in))
+        return {"name": self.name, "queued_tokens": queued, "pending": pending, "tokens_in": tokens_in,
                 "held_layouts": len(self.held), "held_bytes": sum(n for _, _, n in self.held.values()),
-                "freed_by_lease": self.freed_by_lease, "bytes_sent": self.bytes_sent, "tokens_in": self.worker.tokens_in}
+                "freed_by_lease": self.freed_by_lease, "bytes_sent": self.bytes_sent}
 
 
 class DecodeActor:
@@ -198,8 +210,7 @@ class DecodeActor:
         self.bytes_received: dict[str, int] = {}
         self.handoff_s: dict[str, float] = {}
         self.integrity_errors = 0
-        self.snapshot: dict = self.worker.stats()
-        self.thread = _StepThread(f"decode-{name}", self.worker.has_work, self._step, self._idle)
+        self.thread = _StepThread(f"decode-{name}", self.worker.has_work, self._step)
 
     def _emit(self, rid: str, item) -> None:
         def put() -> None:
@@ -225,9 +236,6 @@ class DecodeActor:
             return
         for ev in events:
             self._emit(ev.request_id, ev)
-
-    def _idle(self) -> None:
-        self.snapshot = self.worker.stats()
 
     async def ready(self) -> dict:
         return {"name": self.name, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
@@ -275,33 +283,17 @@ class DecodeActor:
                 self.thread.call(lambda: self.worker.abort(rid))
 
     async def abort(self, request_id: str) -> bool:
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self.thread.call(lambda: _resolve(loop, fut, self.worker.abort(request_id)))
-        return await fut
-
-    async def _on_thread(self, fn: Callable[[], Any]):
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-
-        def run() -> None:
-            try:
-                _resolve(loop, fut, fn())
-            except BaseException as e:
-                _resolve(loop, fut, error=e)
-
-        self.thread.call(run)
-        return await fut
+        return await _on_thread(self.thread, lambda: self.worker.abort(request_id))
 
     async def stats(self) -> dict:
         """Worker and tier numbers, read on the step thread between steps."""
-        st = await self._on_thread(self.worker.stats)
+        st = await _on_thread(self.thread, self.worker.stats)
         st.update(name=self.name, integrity_errors=self.integrity_errors,
                   handoff_bytes=sum(self.bytes_received.values()), handoffs=len(self.bytes_received))
         return st
 
     async def check_integrity(self) -> bool:
-        await self._on_thread(self.worker.check_integrity)
+        await _on_thread(self.thread, self.worker.check_integrity)
         return True
 
     async def handoff_record(self, request_id: str) -> dict:
