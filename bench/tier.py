@@ -101,12 +101,15 @@ def capacity(budget: int, contexts: list[int], max_tokens: int) -> dict:
 # --- selection traces -----------------------------------------------------------------------------
 
 
-class Recorder(DecodeKV):
-    """Wraps a store's batch: records the indexer's selections, or replaces them with a trace."""
+class Recorder:
+    """Wraps a store's batch (a `DecodeKV`): records the indexer's selections, or replaces them with a
+    trace; everything else passes through to the wrapped batch."""
 
     def __init__(self, inner: DecodeKV, log: dict | None = None, trace=None, csa_rate: int = 4) -> None:
         self.inner, self.log, self.trace, self.csa_rate = inner, log, trace, csa_rate
-        self.positions = inner.positions
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
 
     def c4_segment(self, layer: int, ids: torch.Tensor) -> Segment:
         if self.trace is not None:
@@ -115,34 +118,6 @@ class Recorder(DecodeKV):
         if self.log is not None:
             self.log.setdefault(layer, []).append(ids.clone())
         return self.inner.c4_segment(layer, ids)
-
-    def write_window(self, *a):
-        return self.inner.write_window(*a)
-
-    def write_tail(self, *a):
-        return self.inner.write_tail(*a)
-
-    def tail_windows(self, *a):
-        return self.inner.tail_windows(*a)
-
-    def overlap(self, *a):
-        return self.inner.overlap(*a)
-
-    def set_overlap(self, *a):
-        return self.inner.set_overlap(*a)
-
-    def append_entries(self, *a):
-        return self.inner.append_entries(*a)
-
-    def hca_segment(self, *a):
-        return self.inner.hca_segment(*a)
-
-    def index_keys(self, *a):
-        return self.inner.index_keys(*a)
-
-    def finish_step(self):
-        self.inner.finish_step()
-        self.positions = self.inner.positions
 
 
 class DriftingTopK:

@@ -128,7 +128,9 @@ def test_n_choices_seed_logprobs_echo(gw):
     again = _post(gw, "/v1/completions", body).json()
     assert [c["text"] for c in again["choices"]] == [c["text"] for c in r["choices"]]  # seeded: reproducible
     assert all(c["text"].startswith("cde") for c in r["choices"][3:])
-    assert r["usage"]["prompt_tokens"] == 3 + 4 and r["usage"]["completion_tokens"] == 36  # bos + bytes, once per prompt
+    tok = gw.service.tokenizer
+    expected_prompt = len(tok.encode("ab")) + len(tok.encode("cde"))  # once per prompt, not per choice
+    assert r["usage"]["prompt_tokens"] == expected_prompt and r["usage"]["completion_tokens"] == 36
     ids = _post(gw, "/v1/completions", {"prompt": [[6, 7, 8], [9, 10]], "max_tokens": 2, "n": 2}).json()
     assert len(ids["choices"]) == 4 and ids["usage"]["prompt_tokens"] == 5
 
