@@ -8,7 +8,8 @@
   CSA layer and the LRU miss rate at hot-buffer sizes k, 2k, 4k (published: ~60% overlap; 30% / 13.4%
   / 6.7% misses at k / 2k / 4k on DeepSeek-V4);
 - the tier's decode-step cost, on vs off, on this model with held-out prompts;
-- a few completions of held-out code prompts (greedy).
+- a few completions of held-out code prompts (sampled at temperature 0.6, top-p 0.95, fixed seeds;
+  greedy decoding of a model this small falls into loops).
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     progress("samples")
     samples = []
     engine = InProcessEngine(model, TierConfig(device_budget_bytes=32 * 2**20))
-    for name, ids in held_out_prompts(tok, a.samples, 96, offset_lines=20):
-        done = engine.generate([GenerateRequest(name, tuple(ids), SamplingParams(max_tokens=80))])[name]
+    for i, (name, ids) in enumerate(held_out_prompts(tok, a.samples, 96, offset_lines=20)):
+        sp = SamplingParams(max_tokens=80, temperature=0.6, top_p=0.95, seed=i)
+        done = engine.generate([GenerateRequest(name, tuple(ids), sp)])[name]
         samples.append({"file": name, "prompt": tok.decode(ids), "completion": tok.decode(done.token_ids)})
     engine.close()
     out["samples"] = samples
