@@ -24,6 +24,19 @@ REPO = Path(__file__).resolve().parents[2]
 NO_TRITON_EXIT = 77
 
 
+def kernel_or_exit(module: str, name: str):
+    """In a child run: import a Triton kernel, or exit with NO_TRITON_EXIT when triton is missing."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        if (exc.name or "").startswith("triton"):
+            print(exc, file=sys.stderr)
+            sys.exit(NO_TRITON_EXIT)
+        raise
+
+
 def _child_env(**extra: str) -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "PYTHONPATH": path, **extra}

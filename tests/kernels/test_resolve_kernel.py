@@ -443,15 +443,9 @@ def test_compiled_triton_matches_reference_on_cuda(name):
 
 
 def _main(out: str) -> None:
-    from conftest import NO_TRITON_EXIT
+    from conftest import kernel_or_exit
 
-    try:
-        from kernels.resolve_triton import resolve_triton
-    except ImportError as exc:
-        if (exc.name or "").startswith("triton"):
-            print(exc, file=sys.stderr)
-            sys.exit(NO_TRITON_EXIT)
-        raise
+    resolve_triton = kernel_or_exit("kernels.resolve_triton", "resolve_triton")
     results = {sc.name: replay(sc, resolve_triton) for sc in SCENARIOS}
     results["overflow"] = overflow_case(resolve_triton)
     results.update({name: case(resolve_triton) for name, case in STALE_CASES.items()})

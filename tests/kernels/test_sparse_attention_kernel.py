@@ -121,15 +121,9 @@ def test_compiled_triton_matches_reference_on_cuda(name):
 
 
 def _main(out: str) -> None:
-    from conftest import NO_TRITON_EXIT
+    from conftest import kernel_or_exit
 
-    try:
-        from kernels.attention_triton import sparse_attention_triton
-    except ImportError as exc:
-        if (exc.name or "").startswith("triton"):
-            print(exc, file=sys.stderr)
-            sys.exit(NO_TRITON_EXIT)
-        raise
+    sparse_attention_triton = kernel_or_exit("kernels.attention_triton", "sparse_attention_triton")
     results: dict = {name: sparse_attention_triton(*case) for name, case in CASES.items()}
     q, segments, sinks, scale = CASES["row_without_keys"]
     try:
