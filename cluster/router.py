@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, OwnerDiedError, RayActorError
 
-from cluster.handoff import COLLECTIVE_TRANSPORTS, Received
+from cluster.handoff import COLLECTIVE_TRANSPORTS, Handoff, Received
 from cluster.launch import Actors
 from core.types import (
     CapacityError,
@@ -73,8 +73,6 @@ class Router:
         self._poller: asyncio.Task | None = None
         self.retries = {"prefill": 0, "decode": 0}
         self.waiting = 0
-        self.handoff_bytes = 0
-        self.handoff_s = 0.0
 
     # lifecycle -----------------------------------------------------------------------------------
 
@@ -204,7 +202,7 @@ class Router:
         rid = req.request_id
         generated: list[int] = []
         exclude_decode: set[str] = set()
-        prefill_failures = 0
+        layout_losses = 0
         while True:
             preq = PrefillRequest(rid, tuple(req.prompt_token_ids), req.sampling, seed, tuple(generated))
             pm, h = await self._run_prefill(preq)
@@ -218,42 +216,29 @@ class Router:
             reserve = h.layout_tokens + req.sampling.max_tokens - h.num_generated + 1
             dm = None
             gen = None
+            handed_over = False
             try:
                 dm = await self._pick_decode(rid, reserve, exclude_decode)
-                export = pm.handle.export
-                if self.transport != "object_store":
-                    export = export.options(tensor_transport=self.transport)
-                lock = None
-                if self.transport in COLLECTIVE_TRANSPORTS:
-                    lock = self._pair_locks.setdefault((pm.name, dm.name), asyncio.Lock())
-                    await lock.acquire()
-                try:
-                    h.sent_at = time.time()
-                    gen = dm.handle.generate.options(num_returns="streaming").remote(h, export.remote(rid))
-                    received = await (await gen.__anext__())
-                    assert isinstance(received, Received), received
-                finally:
-                    if lock is not None:
-                        lock.release()
+                gen = await self._hand_over(pm, dm, h)
+                handed_over = True
                 async for ref in gen:
                     ev = await ref
                     generated.append(ev.token.token_id)
                     if ev.finish_reason is not None:
                         gen = None  # finished: nothing to cancel
-                        self.handoff_bytes += h.layout_bytes
                     yield ev
                     if ev.finish_reason is not None:
                         return
                 gen = None
                 raise HisparseError(f"decode stream of {rid} ended without a finish reason")
-            except _ACTOR_GONE as e:
+            except (*_ACTOR_GONE, *_LAYOUT_GONE) as e:
                 gen = None
-                if len(generated) == 1 and not await self._answers(pm):
-                    # the prefill actor died before its layout was exported: prefill again (once)
+                if not handed_over and (isinstance(e, _LAYOUT_GONE) or not await self._answers(pm)):
+                    # the prefill actor died before its layout reached the decode actor: prefill again, once
                     self._mark_dead(pm)
-                    prefill_failures += 1
                     self.retries["prefill"] += 1
-                    if prefill_failures > 1:
+                    layout_losses += 1
+                    if layout_losses > 1:
                         raise WorkerUnavailable(f"the layout of {rid} was lost twice (prefill actor failures)") from None
                     continue
                 log.warning("decode actor %s failed under %s (%s); re-prefilling %d tokens", dm.name if dm else "?", rid,
@@ -262,17 +247,36 @@ class Router:
                     self._mark_dead(dm)
                     exclude_decode.add(dm.name)
                 self.retries["decode"] += 1
-            except _LAYOUT_GONE:
-                prefill_failures += 1
-                if prefill_failures > 1:
-                    raise WorkerUnavailable(f"the layout of {rid} was lost twice (prefill actor failures)") from None
-                pm.handle.release.remote(rid)
-                gen = None
             finally:
                 self._release(dm, rid)
                 if gen is not None:  # the consumer left early (client gone): stop the decode side
                     ray.cancel(gen)
                     pm.handle.abort.remote(rid)
+
+    async def _hand_over(self, pm: Member, dm: Member, h: Handoff):
+        """Start the decode stream with the layout exported by the prefill actor; returns once it has arrived."""
+        export = pm.handle.export
+        if self.transport != "object_store":
+            export = export.options(tensor_transport=self.transport)
+        lock = None
+        if self.transport in COLLECTIVE_TRANSPORTS:  # one transfer at a time per pair (see cluster.handoff)
+            lock = self._pair_locks.setdefault((pm.name, dm.name), asyncio.Lock())
+            await lock.acquire()
+        try:
+            h.sent_at = time.time()
+            gen = dm.handle.generate.options(num_returns="streaming").remote(h, export.remote(h.request_id))
+            try:
+                received = await (await gen.__anext__())
+            except asyncio.CancelledError:  # the caller left during the handoff: stop the decode side too
+                ray.cancel(gen)
+                raise
+            if not isinstance(received, Received):
+                ray.cancel(gen)
+                raise HisparseError(f"decode stream of {h.request_id} did not start with the layout's receipt")
+            return gen
+        finally:
+            if lock is not None:
+                lock.release()
 
     async def _answers(self, m: Member) -> bool:
         try:
