@@ -33,10 +33,9 @@ CHAT_DEFAULT_MAX_TOKENS = 4096
 
 @dataclass
 class Job:
-    """One choice to generate: a prompt (by index) with its sampling and seed."""
+    """One choice to generate: a prompt with its sampling and seed."""
 
     index: int
-    prompt_index: int
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams
     seed: int
@@ -119,7 +118,7 @@ class Gateway:
         for p, ids in enumerate(prompts):
             for j in range(n):
                 seed = sampling.seed + j if sampling.seed is not None else random.getrandbits(63)
-                jobs.append(Job(p * n + j, p, tuple(ids), sampling, seed, echoes[p]))
+                jobs.append(Job(p * n + j, tuple(ids), sampling, seed, echoes[p]))
         for job in jobs:  # a prompt that could never fit any decode worker is refused before any work
             self.service.router.check_admissible(GenerateRequest("check", job.prompt_ids, job.sampling))
         return jobs
@@ -396,7 +395,7 @@ def build_app(service: Service, cfg: ServerConfig | None = None, manage_service:
         jobs = []
         for p, (ids, sp) in enumerate(zip(prompts, samplings)):
             for j in g.jobs([ids], sp, body.n, [texts[p] if body.echo else ""]):
-                j.index, j.prompt_index = len(jobs), p
+                j.index = len(jobs)
                 jobs.append(j)
         prompt_tokens = sum(len(p) for p in prompts)
         fmt = CompletionFormat(g.tok, body.logprobs is not None)

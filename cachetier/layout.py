@@ -144,20 +144,6 @@ class KVLayout:
                 return layer.num_entries
         return 0
 
-    def to(self, device) -> KVLayout:
-        def mv(t):
-            return None if t is None else t.to(device)
-
-        def mvc(c):
-            return None if c is None else CompressorState(mv(c.kv), mv(c.score), mv(c.prev_kv), mv(c.prev_score))
-
-        layers = [
-            LayerKV(lk.kind, mv(lk.window), mv(lk.entries), mv(lk.index_keys), mvc(lk.compressor),
-                    mvc(lk.index_compressor))
-            for lk in self.layers
-        ]
-        return KVLayout(self.num_tokens, layers, dict(self.meta))
-
     def clone(self) -> KVLayout:
         layers = [
             LayerKV(

@@ -72,9 +72,6 @@ class PageAllocator:
             heapq.heappush(self._free_heap, p)
         self.num_free += self.group_pages + len(blocks)
 
-    def pages_of(self, owner: str) -> list[int]:
-        return [p for p, o in enumerate(self.owner) if o == owner]
-
 
 @dataclass
 class BlockAllocator:

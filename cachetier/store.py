@@ -289,7 +289,7 @@ class TieredStore(KVStore):
     def counter_totals(self) -> dict:
         c = self.counters.sum(dim=0).tolist()  # the one host sync, when someone asks
         g = self.geo
-        return {"hits": c[HITS], "misses": c[MISSES], "evictions": c[EVICTIONS], "entries_h2d": c[MISSES],
+        return {"hits": c[HITS], "misses": c[MISSES], "evictions": c[EVICTIONS],
                 "bytes_h2d": c[MISSES] * g.d * g.elem + self.bytes_h2d_admit, "bytes_d2h": self.bytes_d2h}
 
     def stats(self) -> dict:

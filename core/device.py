@@ -49,8 +49,3 @@ def _detect(forced: str | None) -> DeviceInfo:
 def current() -> DeviceInfo:
     """The device this process computes on (cached; reads `HISPARSE_DEVICE` once per value)."""
     return _detect(os.environ.get("HISPARSE_DEVICE") or None)
-
-
-def triton_interpret() -> bool:
-    """True when Triton kernels run in the CPU interpreter (`TRITON_INTERPRET=1`), used by kernel tests."""
-    return os.environ.get("TRITON_INTERPRET") == "1"

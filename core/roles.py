@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -112,20 +112,3 @@ class ServeConfig:
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
-
-
-def field_docs(cls) -> dict[str, str]:
-    """Field name -> the docstring under it (for --help and generated docs)."""
-    import ast
-    import inspect
-    import textwrap
-
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    out, last = {}, None
-    for node in tree.body[0].body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            last = node.target.id
-        elif last and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
-            out[last] = " ".join(str(node.value.value).split())
-            last = None
-    return {f.name: out.get(f.name, "") for f in fields(cls)}

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
-
-
-def new_request_id(prefix: str = "req") -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
 @dataclass(frozen=True)
@@ -109,11 +104,6 @@ class CapacityError(HisparseError):
 
 class NeverFitsError(InvalidRequestError):
     """The request is larger than any decode worker's whole device budget."""
-
-
-class RequestAborted(HisparseError):
-    status = 499
-    kind = "request_aborted"
 
 
 class WorkerUnavailable(HisparseError):

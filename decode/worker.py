@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from cachetier.layout import KVLayout
 from cachetier.store import KVStore
@@ -48,8 +48,6 @@ class _Running:
     req: DecodeRequest
     last_token: int
     num_generated: int
-    step_admitted: int = 0
-    events: list = field(default_factory=list)
 
 
 class DecodeWorker:
@@ -97,7 +95,7 @@ class DecodeWorker:
                 break  # arrival order: nobody jumps the queue
             self.waiting.popleft()
             self.store.admit(req.request_id, req.layout, req.reserve_tokens)
-            self.running[req.request_id] = _Running(req, req.first_token.token_id, req.num_generated, self.steps)
+            self.running[req.request_id] = _Running(req, req.first_token.token_id, req.num_generated)
 
     # the step ------------------------------------------------------------------------------------
 

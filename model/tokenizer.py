@@ -4,7 +4,6 @@ incremental detokenization for streaming, and the byte-level tokenizer of the bu
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -25,12 +24,6 @@ SIMPLE_CHAT_TEMPLATE = (
 
 class TokenizerError(ValueError):
     pass
-
-
-@dataclass(frozen=True)
-class ChatMessage:
-    role: str
-    content: str
 
 
 class Tokenizer:
@@ -71,14 +64,14 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         return self.inner.decode(list(ids), skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, messages: list[ChatMessage] | list[dict]) -> str:
+    def apply_chat_template(self, messages: list[dict]) -> str:
         """Render messages into a prompt that ends where the assistant's reply begins."""
         if not self.chat_template:
             raise TokenizerError("this model's tokenizer has no chat template; use /v1/completions")
         import jinja2.sandbox
 
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        msgs = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
+        msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
         try:
             return env.from_string(self.chat_template).render(
                 messages=msgs, add_generation_prompt=True, bos_token=self.bos_token or "", eos_token=self.eos_token or ""
