@@ -38,11 +38,18 @@ def sparse_attention_ref(
     return torch.einsum("bhl,bld->bhd", probs, kv.to(q.dtype))
 
 
+def masked_attention_probs(
+    q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Many queries over one key set: q [tokens, heads, dim], kv [keys, dim], visible [tokens, keys] ->
+    probabilities [tokens, heads, keys] (the sink's share dropped)."""
+    logits = torch.einsum("thd,kd->thk", q, kv.to(q.dtype)) * scale
+    logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
+    return softmax_with_sink(logits, sinks)
+
+
 def masked_attention_ref(
     q: torch.Tensor, kv: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Many queries over one key set: q [tokens, heads, dim], kv [keys, dim], visible [tokens, keys]."""
-    logits = torch.einsum("thd,kd->thk", q, kv.to(q.dtype)) * scale
-    logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-    probs = softmax_with_sink(logits, sinks)
-    return torch.einsum("thk,kd->thd", probs, kv.to(q.dtype))
+    """`masked_attention_probs` applied to the values: -> [tokens, heads, dim]."""
+    return torch.einsum("thk,kd->thd", masked_attention_probs(q, kv, visible, sinks, scale), kv.to(q.dtype))

@@ -15,7 +15,7 @@ from cachetier.layout import C4, HCA_ENTRIES, INDEX_KEYS, CompressorState, Layer
 from core.config import CSA, HCA
 from kernels.attention import sparse_attention
 from kernels.attention_ref import masked_attention_ref
-from model.layers import Attention, Compressor, select_topk
+from model.layers import Attention, Compressor, complete_entries, select_topk, selection_mask, window_visible
 from model.rope import Rotary
 
 
@@ -68,7 +68,7 @@ def prefill_layer(
     old_pos = torch.arange(max(0, start - window + 1), start, device=x.device)
     keys = torch.cat((lk.window[old_pos % window], key))
     key_pos = torch.cat((old_pos, pos))
-    visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] > pos[:, None] - window)
+    visible = window_visible(pos, key_pos, window)
     tail = pos[-window:]
     lk.window[tail % window] = key[-window:]
 
@@ -78,7 +78,7 @@ def prefill_layer(
         new, lk.compressor = compress_segment(comp, lk.compressor, kv, score, start, rot)
         lk.entries = torch.cat((lk.entries, new))
         n = lk.entries.shape[0]
-        complete = torch.arange(n, device=x.device)[None, :] < ((pos + 1) // comp.rate)[:, None]  # [L, n]
+        complete = complete_entries(pos, n, comp.rate)  # [L, n]
         if attn.kind == HCA:
             chosen = complete
         else:
@@ -88,9 +88,7 @@ def prefill_layer(
             lk.index_keys = torch.cat((lk.index_keys, new_keys))
             qi, w = idx.queries(latent, x, rotate)
             ids = select_topk(idx.scores(qi, w, lk.index_keys), complete, idx.topk)  # [L, k]
-            chosen = torch.zeros(L, n + 1, dtype=torch.bool, device=x.device)
-            chosen.scatter_(1, torch.where(ids >= 0, ids, n), True)
-            chosen = chosen[:, :n]
+            chosen = selection_mask(ids, n)
         keys = torch.cat((keys, lk.entries))
         visible = torch.cat((visible, chosen), dim=1)
 

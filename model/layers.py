@@ -228,6 +228,23 @@ class Indexer(nn.Module):
         return (s * w.unsqueeze(-1)).sum(dim=-2)
 
 
+def window_visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[queries, keys]: key j is in query t's window iff t - window < j <= t."""
+    return (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] > query_pos[:, None] - window)
+
+
+def complete_entries(query_pos: torch.Tensor, num_entries: int, rate: int) -> torch.Tensor:
+    """[queries, entries]: entry w is complete for query t iff its window ended at or before t."""
+    return torch.arange(num_entries, device=query_pos.device)[None, :] < ((query_pos + 1) // rate)[:, None]
+
+
+def selection_mask(ids: torch.Tensor, num_entries: int) -> torch.Tensor:
+    """Selected ids [queries, k] (-1 = none) -> [queries, num_entries] bool."""
+    chosen = torch.zeros(ids.shape[0], num_entries + 1, dtype=torch.bool, device=ids.device)
+    chosen.scatter_(1, torch.where(ids >= 0, ids, num_entries), True)
+    return chosen[:, :num_entries]
+
+
 def select_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
     """Top-k visible entries per query ([..., n] scores and visibility) -> ids [..., k], -1 where too few."""
     n = scores.shape[-1]

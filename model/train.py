@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 from cachetier.layout import CompressorState
 from core.config import CSA
-from kernels.attention_ref import softmax_with_sink
+from kernels.attention_ref import masked_attention_probs
 from model.attention import compress_segment
-from model.layers import Attention, select_topk
+from model.layers import Attention, complete_entries, select_topk, selection_mask, window_visible
 from model.model import V4Model
 from model.rope import Rotary
 from model.tokenizer import BYTE_SPECIALS, EOS, SIMPLE_CHAT_TEMPLATE, Tokenizer
@@ -139,7 +139,7 @@ def _layer(attn: Attention, x: torch.Tensor, rot: Rotary, window: int, sparse: b
         return rot.apply(t, pos)
 
     q, key, latent = attn.project(x, rotate)
-    visible = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+    visible = window_visible(pos, pos, window)
     keys = key
     kl = x.new_zeros(())
     if attn.compressor is not None:
@@ -148,7 +148,7 @@ def _layer(attn: Attention, x: torch.Tensor, rot: Rotary, window: int, sparse: b
         state = CompressorState.empty(comp.rate, kv.shape[1], comp.overlapped, kv.dtype)
         entries, _ = compress_segment(comp, state, kv, score, 0, rot)
         n = entries.shape[0]
-        complete = torch.arange(n)[None, :] < ((pos + 1) // comp.rate)[:, None]  # [T, n]
+        complete = complete_entries(pos, n, comp.rate)  # [T, n]
         chosen = complete
         if attn.kind == CSA:
             idx = attn.indexer
@@ -159,15 +159,10 @@ def _layer(attn: Attention, x: torch.Tensor, rot: Rotary, window: int, sparse: b
             qi, w = idx.queries(ld, xd, lambda t: rot.apply(t, pos))
             iscores = idx.scores(qi, w, ikeys)  # [T, n]
             if sparse:
-                ids = select_topk(iscores.detach(), complete, idx.topk)
-                chosen = torch.zeros(T, n + 1, dtype=torch.bool)
-                chosen.scatter_(1, torch.where(ids >= 0, ids, n), True)
-                chosen = chosen[:, :n]
+                chosen = selection_mask(select_topk(iscores.detach(), complete, idx.topk), n)
         keys = torch.cat((key, entries))
         visible = torch.cat((visible, chosen), dim=1)
-    logits = torch.einsum("thd,kd->thk", q, keys) * attn.scale
-    logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-    probs = softmax_with_sink(logits, attn.attn_sink)  # [T, heads, keys]
+    probs = masked_attention_probs(q, keys, visible, attn.attn_sink, attn.scale)  # [T, heads, keys]
     o = torch.einsum("thk,kd->thd", probs, keys)
     if attn.kind == CSA and n:
         # target: the main attention's mass on each chosen entry, summed over heads, renormalised
