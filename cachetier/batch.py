@@ -46,6 +46,14 @@ class DecodeKV(ABC):
     positions: torch.Tensor
     """[batch] absolute position of the token decoded this step."""
 
+    def live_window(self, window: int) -> torch.Tensor:
+        """`window_rows` of this step's positions; every layer asks, so it is computed once per step
+        (the cache is keyed on the positions tensor, which `finish_step` replaces)."""
+        cached = getattr(self, "_live_window", None)
+        if cached is None or cached[0] is not self.positions:
+            self._live_window = (self.positions, window_rows(self.positions, window))
+        return self._live_window[1]
+
     @abstractmethod
     def write_window(self, layer: int, key: torch.Tensor) -> Segment:
         """Store `key` [batch, dim] at ring slot `p % window`; return the ring as a segment."""
@@ -109,7 +117,7 @@ class LayoutBatch(DecodeKV):
             ring[self._pos[b] % w] = key[b]
             rings.append(ring)
         pool = torch.stack(rings).flatten(0, 1)
-        live = window_rows(self.positions, w)
+        live = self.live_window(w)
         base = torch.arange(len(rings), device=key.device)[:, None] * w
         rows = torch.where(live, base + torch.arange(w, device=key.device), -1)
         return Segment(pool, rows)

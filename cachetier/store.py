@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cachetier.batch import INDEX, MAIN, DecodeKV, LayoutBatch, Segment, window_rows
+from cachetier.batch import INDEX, MAIN, DecodeKV, LayoutBatch, Segment
 from cachetier.geometry import Geometry
 from cachetier.host_pool import HostPool
 from cachetier.layout import HCA_ENTRIES, INDEX_KEYS, KVLayout
@@ -398,7 +398,7 @@ class TieredBatch(DecodeKV):
         rows = self.s.rows(g.d)
         rows[base + self.positions % g.window] = key.to(rows.dtype)
         ring = base[:, None] + torch.arange(g.window, device=key.device)
-        return Segment(rows, torch.where(window_rows(self.positions, g.window), ring, -1))
+        return Segment(rows, torch.where(self.live_window(g.window), ring, -1))
 
     def _state(self, layer, name, part):
         return self.g.state_fields[f"{layer}.{name}.{part}"]
