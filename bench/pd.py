@@ -16,18 +16,13 @@ import statistics
 import time
 
 from bench.common import emit, environment, progress
+from bench.serve import latency_stats
 from core.roles import ClusterConfig, PrefillConfig, ServeConfig, TierConfig
 from core.types import GenerateRequest, SamplingParams
 
 
-def _pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
-
-
 def _summary(ttft: list[float], total_s: float, tokens: int) -> dict:
-    return {"ttft_mean_ms": round(statistics.mean(ttft) * 1e3, 2), "ttft_median_ms": round(statistics.median(ttft) * 1e3, 2),
-            "ttft_p99_ms": round(_pct(ttft, 99) * 1e3, 2), "wall_s": round(total_s, 3),
+    return {**latency_stats("ttft", ttft, (50.0, 99.0)), "wall_s": round(total_s, 3),
             "output_tokens": tokens, "output_tokens_per_s": round(tokens / total_s, 1)}
 
 
@@ -82,7 +77,7 @@ def pd_split(reqs: list[GenerateRequest], tier: TierConfig, prefill: PrefillConf
         sizes = [rec["bytes"] for rec in records]
         times = [rec["seconds"] for rec in records]
         out.update(handoff_bytes_per_request_mean=round(statistics.mean(sizes)), handoff_bytes_total=sum(sizes),
-                   handoff_ms_mean=round(statistics.mean(times) * 1e3, 2), handoff_ms_p99=round(_pct(times, 99) * 1e3, 2))
+                   **latency_stats("handoff", times, (50.0, 99.0)))
         await svc.stop(shutdown_ray=True)
         return out
 
@@ -110,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     emit({"bench": "pd", "env": environment(), "requests": a.requests, "prompt_len": a.prompt_len, "output_len": a.output_len,
           "in_process": one, "pd_split": pd,
           "ratio_tokens_per_s_pd_over_in_process": round(pd["output_tokens_per_s"] / one["output_tokens_per_s"], 3),
-          "ratio_ttft_median_pd_over_in_process": round(pd["ttft_median_ms"] / one["ttft_median_ms"], 3)})
+          "ratio_ttft_median_pd_over_in_process": round(pd["median_ttft_ms"] / one["median_ttft_ms"], 3)})
 
 
 if __name__ == "__main__":
