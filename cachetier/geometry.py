@@ -41,6 +41,11 @@ class Field:
         return (base_elems + self.offset) // self.width + local_row
 
 
+def pages_for_request(group_pages: int, block_tokens: int, tokens: int) -> int:
+    """Pages one request holds at `tokens` tokens: its state group plus one page per started block."""
+    return group_pages + max(1, -(-tokens // block_tokens))
+
+
 def default_block_tokens(cfg: ModelConfig) -> int:
     unit = math.lcm(cfg.csa_rate, cfg.hca_rate)
     return unit * max(1, math.ceil(256 / unit))
@@ -139,7 +144,7 @@ class Geometry:
         return num_pages * self.page_bytes + (num_pages // self.group_pages) * self.meta_bytes_per_group
 
     def blocks_for(self, tokens: int) -> int:
-        return max(1, -(-tokens // self.block_tokens))
+        return pages_for_request(self.group_pages, self.block_tokens, tokens) - self.group_pages
 
     def request_device_bytes(self, num_blocks: int) -> int:
         """Device bytes one request holds: its state group and its blocks (with their bookkeeping)."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, ObjectLostError, OwnerDiedError, RayActorError
 
+from cachetier.geometry import pages_for_request
 from cluster.handoff import COLLECTIVE_TRANSPORTS, Handoff, Received
 from cluster.launch import Actors
 from core.types import (
@@ -119,8 +119,8 @@ class Router:
 
     @staticmethod
     def pages_needed(member: Member, reserve_tokens: int) -> int:
-        g = member.info["geometry"]
-        return g["group_pages"] + max(1, math.ceil(reserve_tokens / g["block_tokens"]))
+        g = member.info["geometry"]  # Geometry.describe() of the decode actor
+        return pages_for_request(g["group_pages"], g["block_tokens"], reserve_tokens)
 
     def check_admissible(self, req: GenerateRequest) -> None:
         """Refuse (400) a request no decode actor could hold even when empty."""
