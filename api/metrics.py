@@ -1,8 +1,8 @@
 """Prometheus metrics of the gateway, in a registry owned by the app (no process-wide state).
 
 Latencies are observed here as tokens pass through; the cluster's numbers (running/waiting
-requests, tier bytes and counters, handoff bytes) are read from the router's last poll at scrape
-time, so a scrape never waits on an actor.
+requests, tier bytes and counters, handoff bytes, prefill progress) are read from the frontend's
+latest actor reports at scrape time, so a scrape never waits on an actor.
 """
 
 from __future__ import annotations
@@ -49,6 +49,19 @@ class _ClusterCollector:
         yield gauge("hisparse_decode_actors_alive", "Decode actors answering", s.get("decode_alive", 0))
         yield gauge("hisparse_prefill_actors_alive", "Prefill actors answering", s.get("prefill_alive", 0))
         yield gauge("hisparse_integrity_errors", "Failed idle integrity checks on decode actors", s.get("integrity_errors", 0))
+        yield counter("hisparse_failed_steps", "Decode steps that raised (their requests were prefilled again)",
+                      s.get("failed_steps", 0))
+        retries = CounterMetricFamily("hisparse_request_retries", "Attempts prefilled again after a failure, by stage",
+                                      labels=["model", "stage"])
+        for stage, n in (s.get("retries") or {}).items():
+            retries.add_metric([self.model, stage], float(n))
+        yield retries
+        progress = GaugeMetricFamily("hisparse_prefill_progress_tokens", "Prompt tokens done and in total of prompts "
+                                     "being prefilled", labels=["model", "request", "part"])
+        for rid, (done, total) in (s.get("prefill_progress") or {}).items():
+            progress.add_metric([self.model, rid, "done"], float(done))
+            progress.add_metric([self.model, rid, "total"], float(total))
+        yield progress
 
 
 class Metrics:
@@ -68,7 +81,22 @@ class Metrics:
         self.generation_tokens = Counter("hisparse_generation_tokens", "Tokens generated", lab, registry=self.registry)
         self.errors = Counter("hisparse_request_errors", "Requests answered with an error, by status", lab + ["status"],
                               registry=self.registry)
-        self.registry.register(_ClusterCollector(model, cluster_stats))
+        self.cluster = _ClusterCollector(model, cluster_stats)
+        self.registry.register(self.cluster)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class MultiprocessMetrics(Metrics):
+    """Metrics of one of several gateway processes: latencies and counts are written to the shared
+    directory named by PROMETHEUS_MULTIPROC_DIR and summed over all processes at scrape time; the
+    cluster's numbers come from this process's own view of the actors (the same in every process)."""
+
+    def render(self) -> bytes:
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        registry.register(self.cluster)
+        return generate_latest(registry)

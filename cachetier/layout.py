@@ -11,8 +11,11 @@ the projections of position `p` while its window is incomplete.
 
 from __future__ import annotations
 
+import math
+import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from core.config import CSA, HCA, SLIDING, ModelConfig
@@ -160,3 +163,99 @@ class KVLayout:
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+# --- moving a layout between processes ------------------------------------------------------------
+
+LAYOUT_VERSION = 1
+_ALIGN = 64  # byte alignment of every tensor in a packed buffer (any dtype can be viewed in place)
+_PARTS = ("kv", "score", "prev_kv", "prev_score")
+
+
+def layout_format(cfg: ModelConfig, dtype: torch.dtype) -> str:
+    """What a layout's bytes mean: version, dtype and the geometry that shapes them. A decode side
+    accepts a layout only when its own format is the same string (a mismatch is refused, not guessed)."""
+    kinds = "".join(k[0] for k in cfg.layer_types)
+    return (f"v{LAYOUT_VERSION}:{str(dtype).removeprefix('torch.')}:d{cfg.head_dim}:i{cfg.index_head_dim}"
+            f":w{cfg.sliding_window}:c{cfg.csa_rate}:h{cfg.hca_rate}:{kinds}")
+
+
+@dataclass
+class PackedLayout:
+    """A layout as one contiguous byte buffer plus the table to read it back.
+
+    A numpy buffer crosses Ray's object store without a copy on one node (the receiver maps it), and one
+    buffer costs one serialisation instead of one per tensor. `tensor_bytes` is what the layout's tensors
+    hold (the buffer adds alignment padding).
+    """
+
+    num_tokens: int
+    format: str
+    table: tuple[tuple[int, str, str, tuple[int, ...], int], ...]
+    """(layer, part, dtype, shape, byte offset) per tensor; parts are `window`, `entries`, `index_keys`,
+    `compressor.<kv|score|prev_kv|prev_score>`, `index_compressor.<...>`."""
+    kinds: tuple[str, ...]
+    buffer: np.ndarray | torch.Tensor
+    """uint8; numpy for the object store (mapped without a copy), a tensor for direct tensor transports."""
+    tensor_bytes: int
+    meta: dict = field(default_factory=dict)
+
+
+def _named_tensors(layout: KVLayout):
+    for i, lk in enumerate(layout.layers):
+        yield i, "window", lk.window
+        if lk.entries is not None:
+            yield i, "entries", lk.entries
+        if lk.index_keys is not None:
+            yield i, "index_keys", lk.index_keys
+        for comp_name, comp in (("compressor", lk.compressor), ("index_compressor", lk.index_compressor)):
+            if comp is None:
+                continue
+            for part in _PARTS:
+                t = getattr(comp, part)
+                if t is not None:
+                    yield i, f"{comp_name}.{part}", t
+
+
+def pack_layout(layout: KVLayout, fmt: str) -> PackedLayout:
+    """Copy a layout's tensors into one aligned byte buffer (on the host)."""
+    table, offset, total = [], 0, 0
+    items = list(_named_tensors(layout))
+    for i, part, t in items:
+        n = t.numel() * t.element_size()
+        table.append((i, part, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
+        offset += -(-n // _ALIGN) * _ALIGN
+        total += n
+    buf = torch.empty(offset, dtype=torch.uint8)
+    for (_, _, _, _, off), (_, _, t) in zip(table, items):
+        n = t.numel() * t.element_size()
+        if n:
+            buf[off : off + n].copy_(t.detach().contiguous().cpu().view(-1).view(torch.uint8))
+    return PackedLayout(layout.num_tokens, fmt, tuple(table), tuple(lk.kind for lk in layout.layers), buf.numpy(),
+                        total, dict(layout.meta))
+
+
+def unpack_layout(packed: PackedLayout) -> KVLayout:
+    """The layout whose tensors are views into `packed.buffer` (read them, copy what must outlive it)."""
+    if isinstance(packed.buffer, torch.Tensor):  # moved by a tensor transport
+        raw = packed.buffer.view(torch.uint8).cpu()
+    elif packed.buffer.size == 0:
+        raw = torch.empty(0, dtype=torch.uint8)
+    else:
+        with warnings.catch_warnings():  # the buffer may be a read-only mapping of the object store
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(packed.buffer, dtype=torch.uint8)
+    layers = [LayerKV(kind, torch.empty(0)) for kind in packed.kinds]
+    comps: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for i, part, dtype_name, shape, off in packed.table:
+        dtype = getattr(torch, dtype_name)
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        t = raw[off : off + n].view(dtype).view(shape)
+        if "." in part:
+            comp_name, sub = part.split(".")
+            comps.setdefault((i, comp_name), {})[sub] = t
+        else:
+            setattr(layers[i], part, t)
+    for (i, comp_name), parts in comps.items():
+        setattr(layers[i], comp_name, CompressorState(**parts))
+    return KVLayout(packed.num_tokens, layers, dict(packed.meta))

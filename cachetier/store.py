@@ -9,6 +9,7 @@ holds the C4 entries. Both hand the attention identical rows, so the tokens are 
 from __future__ import annotations
 
 import logging
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -34,7 +35,14 @@ class IntegrityError(AssertionError):
 
 
 class KVStore(ABC):
-    """What the decode worker needs from a store."""
+    """What the decode worker needs from a store.
+
+    Admission comes in two halves so that decode capacity can be held before prefill starts:
+    `reserve` takes a request's pages at its final length (prompt + max_tokens) and `fill` later
+    writes the prefilled layout into them; `admit` does both at once. `free` returns whatever the
+    request holds (reserved or filled). Allocation is thread-safe: an actor may reserve from its
+    event loop while the step thread decodes.
+    """
 
     @abstractmethod
     def check_fits_ever(self, request_id: str, reserve_tokens: int) -> None:
@@ -45,12 +53,30 @@ class KVStore(ABC):
         ...
 
     @abstractmethod
+    def reserve(self, request_id: str, reserve_tokens: int) -> bool:
+        """Take the pages a request needs at `reserve_tokens` tokens now; False if they are not free."""
+
+    @abstractmethod
+    def fill(self, request_id: str, layout: KVLayout) -> None:
+        """Write a prefilled layout into the pages reserved for it."""
+
     def admit(self, request_id: str, layout: KVLayout, reserve_tokens: int) -> None:
-        ...
+        """`reserve` + `fill`; raises `OutOfPages` when the pages are not free now."""
+        if not self.reserve(request_id, max(reserve_tokens, layout.num_tokens + 1)):
+            raise OutOfPages(f"no room for {request_id} ({reserve_tokens} tokens) right now")
+        try:
+            self.fill(request_id, layout)
+        except BaseException:
+            self.free(request_id)
+            raise
 
     @abstractmethod
     def free(self, request_id: str) -> None:
         ...
+
+    @abstractmethod
+    def holds(self, request_id: str) -> bool:
+        """Whether the request has pages here (reserved or filled)."""
 
     @abstractmethod
     def batch(self, request_ids: list[str]) -> DecodeKV:
@@ -76,7 +102,7 @@ class LayoutStore(KVStore):
 
     def __init__(self, cfg: ModelConfig) -> None:
         self.cfg = cfg
-        self.layouts: dict[str, KVLayout] = {}
+        self.layouts: dict[str, KVLayout | None] = {}
 
     def check_fits_ever(self, request_id, reserve_tokens) -> None:
         pass
@@ -84,11 +110,20 @@ class LayoutStore(KVStore):
     def fits(self, reserve_tokens) -> bool:
         return True
 
-    def admit(self, request_id, layout, reserve_tokens) -> None:
+    def reserve(self, request_id, reserve_tokens) -> bool:
+        if request_id in self.layouts:
+            raise ValueError(f"request {request_id} already holds pages")
+        self.layouts[request_id] = None
+        return True
+
+    def fill(self, request_id, layout) -> None:
         self.layouts[request_id] = layout.clone()
 
     def free(self, request_id) -> None:
         del self.layouts[request_id]
+
+    def holds(self, request_id) -> bool:
+        return request_id in self.layouts
 
     def batch(self, request_ids) -> DecodeKV:
         return LayoutBatch(self.cfg, [self.layouts[r] for r in request_ids])
@@ -98,7 +133,7 @@ class LayoutStore(KVStore):
 
     def stats(self) -> dict:
         return {"kind": "layouts", "running": len(self.layouts),
-                "device_bytes_used": sum(lay.total_bytes() for lay in self.layouts.values())}
+                "device_bytes_used": sum(lay.total_bytes() for lay in self.layouts.values() if lay is not None)}
 
 
 # --- the tiered store -----------------------------------------------------------------------------
@@ -116,6 +151,8 @@ class Resident:
     reserve_tokens: int
     blocks_t: torch.Tensor = field(repr=False, default=None)
     host_blocks_t: torch.Tensor = field(repr=False, default=None)
+    filled: bool = False
+    """False while the pages are only reserved (the layout has not arrived yet)."""
 
 
 class TieredStore(KVStore):
@@ -141,6 +178,7 @@ class TieredStore(KVStore):
         self.bytes_h2d_admit = 0
         self.step_no = 0
         self.residents: dict[str, Resident] = {}
+        self._alloc_lock = threading.Lock()  # reservations come from the actor's loop, frees from its step thread
         log.info("tier store: %s", g.describe())
 
     # arena views ---------------------------------------------------------------------------------
@@ -183,30 +221,54 @@ class TieredStore(KVStore):
 
     def fits(self, reserve_tokens: int) -> bool:
         nb = self.geo.blocks_for(reserve_tokens)
-        if self.host_alloc is not None and self.host_alloc.num_free < nb:
-            return False
-        return self.pages.can_allocate(nb)
+        with self._alloc_lock:
+            if self.host_alloc is not None and self.host_alloc.num_free < nb:
+                return False
+            return self.pages.can_allocate(nb)
 
-    def admit(self, request_id: str, layout: KVLayout, reserve_tokens: int) -> None:
-        """Place a prefilled layout: C4 entries straight into the host pool (tier on), the rest into the arena."""
-        if request_id in self.residents:
-            raise ValueError(f"request {request_id} is already admitted")
+    def reserve(self, request_id: str, reserve_tokens: int) -> bool:
+        """Take a state group and the blocks of `reserve_tokens` tokens (and their host blocks) now."""
         g = self.geo
-        reserve_tokens = max(reserve_tokens, layout.num_tokens + 1)
         nb = g.blocks_for(reserve_tokens)
-        group, blocks = self.pages.allocate(request_id, nb)
-        host_blocks: list[int] = []
-        if self.host_alloc is not None:
-            try:
-                host_blocks = self.host_alloc.allocate(request_id, nb)
-            except OutOfPages:
-                self.pages.free(request_id, group, blocks)
-                raise
-        r = Resident(request_id, group, blocks, host_blocks, layout.num_tokens, reserve_tokens)
-        r.blocks_t = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        r.host_blocks_t = torch.tensor(host_blocks or [0], dtype=torch.long)
+        with self._alloc_lock:
+            if request_id in self.residents:
+                raise ValueError(f"request {request_id} already holds pages")
+            if self.host_alloc is not None and self.host_alloc.num_free < nb:
+                return False
+            if not self.pages.can_allocate(nb):
+                return False
+            group, blocks = self.pages.allocate(request_id, nb)
+            host_blocks = self.host_alloc.allocate(request_id, nb) if self.host_alloc is not None else []
+            r = Resident(request_id, group, blocks, host_blocks, 0, reserve_tokens)
+            r.blocks_t = torch.tensor(blocks, dtype=torch.long, device=self.device)
+            r.host_blocks_t = torch.tensor(host_blocks or [0], dtype=torch.long)
+            self.residents[request_id] = r
+        return True
+
+    def fill(self, request_id: str, layout: KVLayout) -> None:
+        """Write a prefilled layout into its reserved pages: C4 entries straight into the host pool
+        (tier on), the rest into the arena."""
+        r = self.residents.get(request_id)
+        if r is None:
+            raise ValueError(f"request {request_id} holds no reserved pages")
+        if r.filled:
+            raise ValueError(f"request {request_id} is already filled")
+        if layout.num_tokens + 1 > r.reserve_tokens:
+            raise ValueError(f"the layout of {request_id} has {layout.num_tokens} tokens but only "
+                             f"{r.reserve_tokens} were reserved")
         self._write_layout(r, layout)
-        self.residents[request_id] = r
+        r.num_tokens = layout.num_tokens
+        r.filled = True
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.residents
+
+    def capacity(self) -> dict:
+        """Free and total pages and host blocks (what routing decisions read)."""
+        with self._alloc_lock:
+            return {"pages_free": self.pages.num_free, "pages_total": self.geo.num_pages,
+                    "host_blocks_free": self.host_alloc.num_free if self.host_alloc else 0,
+                    "host_blocks_total": self.host_alloc.num_blocks if self.host_alloc else 0}
 
     def _write_layout(self, r: Resident, layout: KVLayout) -> None:
         g, dev = self.geo, self.device
@@ -266,10 +328,11 @@ class TieredStore(KVStore):
             self.bytes_h2d_admit += newest.numel() * g.d * g.elem
 
     def free(self, request_id: str) -> None:
-        r = self.residents.pop(request_id)
-        self.pages.free(request_id, r.group, r.blocks)
-        if self.host_alloc is not None:
-            self.host_alloc.free(request_id, r.host_blocks)
+        with self._alloc_lock:
+            r = self.residents.pop(request_id)
+            self.pages.free(request_id, r.group, r.blocks)
+            if self.host_alloc is not None:
+                self.host_alloc.free(request_id, r.host_blocks)
 
     def batch(self, request_ids: list[str]) -> TieredBatch:
         return TieredBatch(self, [self.residents[r] for r in request_ids])

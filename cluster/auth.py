@@ -17,3 +17,27 @@ def token_auth_for_join(address: str | None) -> bool:
         os.environ["RAY_AUTH_MODE"] = "token"
         return True
     return False
+
+
+def choose_auth_mode(address: str | None) -> str:
+    """Decide Ray's token authentication before ray is imported, and say what was decided.
+
+    Joining a cluster: token mode when a token is at hand (`token_auth_for_join`). The embedded instance:
+    token mode, explicitly — its actors are reached only through 127.0.0.1, but Ray's own ports listen
+    on every interface, so they stay authenticated (Ray creates ~/.ray/auth_token when there is none).
+    An explicit RAY_AUTH_MODE always wins.
+    """
+    import logging
+
+    log = logging.getLogger(__name__)
+    if "RAY_AUTH_MODE" in os.environ:
+        mode = os.environ["RAY_AUTH_MODE"]
+        log.info("Ray token authentication: %s (RAY_AUTH_MODE)", mode)
+    elif address is None:
+        os.environ["RAY_AUTH_MODE"] = mode = "token"
+        log.info("embedded Ray: token authentication on (Ray's ports listen on all interfaces; the token is "
+                 "~/.ray/auth_token); set RAY_AUTH_MODE=disabled to turn it off")
+    else:
+        mode = "token" if token_auth_for_join(address) else "cluster default"
+        log.info("joining %s: Ray token authentication %s", address, mode)
+    return mode

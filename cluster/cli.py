@@ -73,12 +73,14 @@ def tier_config(args: argparse.Namespace):
 
 
 def serve_config(args: argparse.Namespace):
-    from core.roles import ClusterConfig, PrefillConfig, ServeConfig, ServerConfig
+    import os
+
+    from core.roles import ClusterConfig, DeadlineConfig, PrefillConfig, ServeConfig, ServerConfig
 
     return ServeConfig(
         model=args.model,
         tier=tier_config(args),
-        prefill=PrefillConfig(max_batch_tokens=args.max_batch_tokens, layout_lease_s=args.layout_lease_s),
+        prefill=PrefillConfig(max_batch_tokens=args.max_batch_tokens),
         cluster=ClusterConfig(
             address=args.address, num_prefill=args.num_prefill, num_decode=args.num_decode,
             prefill_num_cpus=args.prefill_num_cpus, decode_num_cpus=args.decode_num_cpus,
@@ -87,8 +89,20 @@ def serve_config(args: argparse.Namespace):
             max_restarts=args.max_restarts, transport=args.transport,
         ),
         server=ServerConfig(host=args.host, port=args.port, served_model_name=args.served_model_name,
-                            max_concurrent_requests=args.max_concurrent_requests),
+                            max_concurrent_requests=args.max_concurrent_requests,
+                            max_sequences_per_request=args.max_sequences_per_request, max_body_bytes=args.max_body_bytes,
+                            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+                            stream_interval=args.stream_interval, api_workers=args.api_workers),
+        deadlines=DeadlineConfig(
+            queue_timeout_s=args.queue_timeout_s, max_queued_requests=args.max_queued_requests,
+            prefill_timeout_s=args.prefill_timeout_s, handoff_timeout_s=args.handoff_timeout_s,
+            token_timeout_s=args.token_timeout_s, max_request_retries=args.max_request_retries,
+            subscriber_timeout_s=args.subscriber_timeout_s, step_hang_s=args.step_hang_s,
+        ),
     )
+
+
+API_KEY_ENV = "HISPARSE_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,7 +124,36 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     s.add_argument("--served-model-name", default=None, help="model name the API answers to")
-    s.add_argument("--max-concurrent-requests", type=int, default=512, help="in-flight requests before 429")
+    s.add_argument("--max-concurrent-requests", type=int, default=512,
+                   help="in-flight requests per gateway process before 429 (default 512)")
+    s.add_argument("--max-sequences-per-request", type=int, default=64,
+                   help="most sequences one request may fan out to, len(prompt) x n (default 64; more is a 400)")
+    s.add_argument("--max-body-bytes", type=_bytes, default=16 * 2**20,
+                   help="largest request body; larger ones get 413 before parsing (default 16MiB)")
+    s.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on every /v1 route (or set HISPARSE_API_KEY); "
+                        "/health and /metrics stay open")
+    s.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per streamed chunk; the first and last chunk are sent at once (default 1)")
+    s.add_argument("--api-workers", type=int, default=1,
+                   help="gateway processes on the same port, sharing the actors (default 1)")
+    d = s.add_argument_group("deadlines (see docs: every stage of a request has one)")
+    d.add_argument("--queue-timeout-s", type=float, default=30.0,
+                   help="wait for decode capacity before a 503 with Retry-After (default 30)")
+    d.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests waiting for capacity per gateway process; more get 503 at once (default 1024)")
+    d.add_argument("--prefill-timeout-s", type=float, default=1800.0,
+                   help="prefill of one request, its queueing included (default 1800)")
+    d.add_argument("--handoff-timeout-s", type=float, default=60.0,
+                   help="from a finished prefill until the decode actor holds the request (default 60)")
+    d.add_argument("--token-timeout-s", type=float, default=60.0,
+                   help="most time between two tokens; a silent stream ends with an error (default 60)")
+    d.add_argument("--max-request-retries", type=int, default=1,
+                   help="times a request is prefilled again after a lost worker or failed step (default 1)")
+    d.add_argument("--subscriber-timeout-s", type=float, default=30.0,
+                   help="decode actors drop a gateway that stopped collecting output for this long (default 30)")
+    d.add_argument("--step-hang-s", type=float, default=120.0,
+                   help="a step thread stuck in one step this long is taken out of routing (default 120)")
     c = s.add_argument_group("cluster")
     c.add_argument("--address", default=None,
                    help="Ray cluster to join (auto, host:6379); omitted: start an embedded local Ray instance")
@@ -128,8 +171,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layout handoff: the Ray object store (default) or Ray's direct tensor transport "
                         "(nccl/nixl between GPU actors, gloo between CPU actors)")
     c.add_argument("--max-batch-tokens", type=int, default=2048, help="prompt tokens per prefill forward")
-    c.add_argument("--layout-lease-s", type=float, default=30.0,
-                   help="free a prefilled layout not picked up within this many seconds")
     _add_tier(s)
 
     plan_cmd.add_parser(sub)
@@ -167,9 +208,9 @@ def _serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"hisparse serve: {e}", file=sys.stderr)
         return 2
-    from cluster.auth import token_auth_for_join
+    from cluster.auth import choose_auth_mode
 
-    token_auth_for_join(config.cluster.address)  # before ray is first imported
+    choose_auth_mode(config.cluster.address)  # before ray is first imported
     from api.server import run_server  # the serve command is where the gateway comes in
 
     return run_server(config)

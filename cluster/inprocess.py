@@ -11,20 +11,22 @@ from dataclasses import dataclass, field
 
 from cachetier.store import KVStore, TieredStore
 from core.roles import PrefillConfig, TierConfig
-from core.types import GenerateRequest, TokenEvent, finish_reason
+from core.types import GenerateRequest, PromptLogprob, RequestFailed, TokenEvent
 from decode.worker import DecodeRequest, DecodeWorker
 from model.model import V4Model
 from prefill.worker import PrefillRequest, PrefillResult, PrefillWorker
 
 
-def decode_request(res: PrefillResult) -> DecodeRequest:
-    return DecodeRequest(res.request_id, res.layout, res.first_token, res.sampling, res.seed, res.num_generated)
+def decode_request(res: PrefillResult, owner: str = "", solo: bool = False, fault: str | None = None) -> DecodeRequest:
+    return DecodeRequest(res.request_id, res.layout, res.first_token, res.sampling, res.seed, res.num_generated,
+                         owner=owner, solo=solo, fault=fault)
 
 
 @dataclass
 class Completion:
     request_id: str
     events: list[TokenEvent] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -42,12 +44,15 @@ class InProcessEngine:
         tier: TierConfig | None = None,
         prefill: PrefillConfig | None = None,
         store: KVStore | None = None,
+        eos_ids: tuple[int, ...] | None = None,
     ) -> None:
+        """`eos_ids`: the model's end-of-sequence ids (`model.config.end_of_sequence_ids`); default: its config's."""
         tier = tier or TierConfig()
         self.model = model
-        self.prefill = PrefillWorker(model, prefill)
+        self.eos_ids = model.cfg.eos_token_ids if eos_ids is None else eos_ids
+        self.prefill = PrefillWorker(model, prefill, eos_ids=self.eos_ids)
         self.store = store if store is not None else TieredStore(model.cfg, tier, dtype=model.dtype, device=model.device)
-        self.decode = DecodeWorker(model, self.store, max_running=tier.max_running)
+        self.decode = DecodeWorker(model, self.store, max_running=tier.max_running, eos_ids=self.eos_ids)
 
     def generate(self, requests: Iterable[GenerateRequest], seeds: dict[str, int] | None = None,
                  on_event: Callable[[TokenEvent], None] | None = None) -> dict[str, Completion]:
@@ -58,20 +63,24 @@ class InProcessEngine:
             seed = r.sampling.seed if r.sampling.seed is not None else (seeds or {}).get(r.request_id, 0)
             self.prefill.submit(PrefillRequest(r.request_id, tuple(r.prompt_token_ids), r.sampling, seed))
             out[r.request_id] = Completion(r.request_id)
-        eos = self.model.cfg.eos_token_ids
         while self.prefill.has_work() or self.decode.has_work():
             for res in self.prefill.step():
-                reason = finish_reason(res.first_token.token_id, 1, res.sampling, eos)
-                ev = TokenEvent(res.request_id, 0, res.first_token, reason)
+                out[res.request_id].prompt_logprobs = res.prompt_logprobs
+                if res.first_token is None:
+                    continue  # scoring only
+                ev = TokenEvent(res.request_id, 0, res.first_token, res.finish_reason)
                 out[res.request_id].events.append(ev)
                 if on_event is not None:
                     on_event(ev)
-                if reason is None:
+                if res.finish_reason is None:
                     self.decode.submit(decode_request(res))
             for ev in self.decode.step():
                 out[ev.request_id].events.append(ev)
                 if on_event is not None:
                     on_event(ev)
+            failed = self.prefill.take_failures() + self.decode.take_failures()
+            if failed:
+                raise RequestFailed(f"request {failed[0].request_id} failed: {failed[0].message}")
         return out
 
     def close(self) -> None:

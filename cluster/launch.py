@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 import ray
 
-from cluster.actors import DecodeActor, PrefillActor
-from cluster.handoff import COLLECTIVE_TRANSPORTS, ROLE_DECODE, ROLE_PREFILL, TRANSPORTS
-from core.roles import ClusterConfig, PrefillConfig, TierConfig
+from cluster.decode_actor import DecodeActor
+from cluster.prefill_actor import PrefillActor
+from cluster.protocol import COLLECTIVE_TRANSPORTS, NAMESPACE, ROLE_DECODE, ROLE_PREFILL, TRANSPORTS
+from core.roles import ClusterConfig, ServeConfig
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,17 @@ def start_ray(cfg: ClusterConfig, num_cpus: int | None = None) -> None:
         log.info("joined the Ray cluster at %s", cfg.address)
 
 
+def gcs_address() -> str:
+    """The address other processes join this process's Ray instance at."""
+    return ray.get_runtime_context().gcs_address
+
+
+def connect(address: str) -> None:
+    """Join the Ray instance at `address` from another process of the same deployment (a gateway worker)."""
+    if not ray.is_initialized():
+        ray.init(address=address, logging_level=logging.WARNING, namespace=NAMESPACE)
+
+
 def stop_ray() -> None:
     if ray.is_initialized():
         ray.shutdown()
@@ -60,30 +72,57 @@ def _options(role: str, cfg: ClusterConfig, name: str) -> dict:
     cpus = cfg.prefill_num_cpus if role == ROLE_PREFILL else cfg.decode_num_cpus
     gpus = cfg.prefill_num_gpus if role == ROLE_PREFILL else cfg.decode_num_gpus
     opts = {"num_cpus": cpus, "num_gpus": gpus, "max_restarts": cfg.max_restarts, "max_task_retries": 0,
-            "max_concurrency": 1000, "name": name, "namespace": "hisparse", "lifetime": None}
+            "max_concurrency": 1000, "name": name, "namespace": NAMESPACE, "lifetime": None}
     if cfg.placement == "resources":
         opts["resources"] = {role: 1}
     return opts
 
 
-def create_actors(
-    model: str, cluster: ClusterConfig, tier: TierConfig, prefill: PrefillConfig, prefix: str = "hisparse", timeout_s: float = 300
-) -> Actors:
+def actor_names(cfg: ServeConfig, prefix: str) -> tuple[list[str], list[str]]:
+    c = cfg.cluster
+    return [f"{prefix}-prefill-{i}" for i in range(c.num_prefill)], [f"{prefix}-decode-{i}" for i in range(c.num_decode)]
+
+
+def create_actors(model: str, cfg: ServeConfig, eos_ids: tuple[int, ...], prefix: str = "hisparse",
+                  timeout_s: float = 300) -> Actors:
     """Create and wait for the actors; raises with the reason when they cannot be placed in time."""
+    cluster = cfg.cluster
     if cluster.transport not in TRANSPORTS:
         raise ValueError(f"unknown transport {cluster.transport!r}; choose one of {TRANSPORTS}")
     direct = cluster.transport != "object_store"
     pcls = ray.remote(enable_tensor_transport=True)(PrefillActor) if direct else ray.remote(PrefillActor)
     dcls = ray.remote(enable_tensor_transport=True)(DecodeActor) if direct else ray.remote(DecodeActor)
     out = Actors()
-    for i in range(cluster.num_prefill):
-        name = f"{prefix}-prefill-{i}"
+    pnames, dnames = actor_names(cfg, prefix)
+    for name in pnames:
         threads = max(1, int(cluster.prefill_num_cpus))
-        out.prefill.append(pcls.options(**_options(ROLE_PREFILL, cluster, name)).remote(model, prefill, name, threads))
-    for i in range(cluster.num_decode):
-        name = f"{prefix}-decode-{i}"
+        out.prefill.append(pcls.options(**_options(ROLE_PREFILL, cluster, name)).remote(
+            model, cfg.prefill, name, threads, eos_ids, cfg.deadlines, cluster.transport, cfg.faults))
+    for name in dnames:
         threads = max(1, int(cluster.decode_num_cpus))
-        out.decode.append(dcls.options(**_options(ROLE_DECODE, cluster, name)).remote(model, tier, name, threads))
+        out.decode.append(dcls.options(**_options(ROLE_DECODE, cluster, name)).remote(
+            model, cfg.tier, name, threads, eos_ids, cfg.deadlines, cfg.faults))
+    _wait_ready(out, cluster, timeout_s)
+    if cluster.transport in COLLECTIVE_TRANSPORTS:
+        from ray.experimental.collective import create_collective_group
+
+        create_collective_group(out.prefill + out.decode, backend=COLLECTIVE_TRANSPORTS[cluster.transport])
+        log.info("layouts move over %s between %d actors", cluster.transport, len(out.prefill) + len(out.decode))
+    for info in out.prefill_info + out.decode_info:
+        log.info("actor %s up on node %s (pid %s)", info["name"], info["node_id"][:12], info["pid"])
+    return out
+
+
+def lookup_actors(cfg: ServeConfig, prefix: str = "hisparse", timeout_s: float = 300) -> Actors:
+    """Handles of actors another process created (gateway worker processes share them)."""
+    pnames, dnames = actor_names(cfg, prefix)
+    out = Actors(prefill=[ray.get_actor(n, namespace=NAMESPACE) for n in pnames],
+                 decode=[ray.get_actor(n, namespace=NAMESPACE) for n in dnames])
+    _wait_ready(out, cfg.cluster, timeout_s)
+    return out
+
+
+def _wait_ready(out: Actors, cluster: ClusterConfig, timeout_s: float) -> None:
     pending = [a.ready.remote() for a in out.prefill + out.decode]
     ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
     if not_ready:
@@ -93,15 +132,7 @@ def create_actors(
             "and enough CPUs/GPUs (ray status)"
         )
     infos = ray.get(pending)
-    if cluster.transport in COLLECTIVE_TRANSPORTS:
-        from ray.experimental.collective import create_collective_group
-
-        create_collective_group(out.prefill + out.decode, backend=COLLECTIVE_TRANSPORTS[cluster.transport])
-        log.info("layouts move over %s between %d actors", cluster.transport, len(out.prefill) + len(out.decode))
-    out.prefill_info, out.decode_info = infos[: cluster.num_prefill], infos[cluster.num_prefill :]
-    for info in infos:
-        log.info("actor %s up on node %s (pid %s)", info["name"], info["node_id"][:12], info["pid"])
-    return out
+    out.prefill_info, out.decode_info = infos[: len(out.prefill)], infos[len(out.prefill) :]
 
 
 def kill_actors(actors: Actors) -> None:

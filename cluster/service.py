@@ -1,6 +1,7 @@
-"""The running system without HTTP: Ray, the actors and the router, started and stopped as one.
+"""The running system without HTTP: Ray, the actors and a frontend, started and stopped as one.
 
-`hisparse serve` puts the gateway on top of this; tests and benchmarks drive it directly.
+`hisparse serve` puts the gateway on top of this; tests and benchmarks drive it directly. A gateway
+worker process (`--api-workers` > 1) attaches to actors another process created (`attach=True`).
 """
 
 from __future__ import annotations
@@ -10,54 +11,60 @@ import random
 
 import ray
 
-from cluster.launch import Actors, create_actors, kill_actors, start_ray
-from cluster.router import Router
+from cluster.frontend import Frontend, Output
+from cluster.launch import Actors, create_actors, kill_actors, lookup_actors, start_ray
 from core.roles import ServeConfig
 from core.types import GenerateRequest, TokenEvent
 from model.builtin import resolve_model_dir
-from model.config import load_config
+from model.config import end_of_sequence_ids, load_config
 from model.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
 
 class Service:
-    def __init__(self, config: ServeConfig, prefix: str = "hisparse") -> None:
+    def __init__(self, config: ServeConfig, prefix: str = "hisparse", attach: bool = False) -> None:
         self.config = config
         self.prefix = prefix
+        self.attach = attach
         self.model_dir = resolve_model_dir(config.model)
         self.model_cfg = load_config(self.model_dir, name=config.server.served_model_name or
                                      ("tiny" if config.model == "tiny" else self.model_dir.name))
         self.tokenizer: Tokenizer | None = load_tokenizer(self.model_dir)
+        self.eos_ids = end_of_sequence_ids(self.model_dir, self.model_cfg, self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.actors: Actors | None = None
-        self.router: Router | None = None
+        self.frontend: Frontend | None = None
         self._owns_ray = False
 
     @property
     def model_name(self) -> str:
         return self.model_cfg.name
 
-    @property
-    def eos_ids(self) -> tuple[int, ...]:
-        ids = set(self.model_cfg.eos_token_ids)
-        if self.tokenizer is not None:
-            ids.update(self.tokenizer.eos_token_ids)
-        return tuple(sorted(ids))
-
-    async def start(self) -> None:
+    def start_actors(self) -> None:
+        """Start (or, attached, find) the actors; blocking (run it off an event loop)."""
         c = self.config
         if not ray.is_initialized():
             start_ray(c.cluster)
-            self._owns_ray = c.cluster.address is None
-        model_spec = c.model if c.model == "tiny" else str(self.model_dir)
-        self.actors = create_actors(model_spec, c.cluster, c.tier, c.prefill, prefix=self.prefix)
-        self.router = Router(self.actors, self.eos_ids, transport=c.cluster.transport)
-        await self.router.start()
+            self._owns_ray = c.cluster.address is None and not self.attach
+        if self.attach:
+            self.actors = lookup_actors(c, prefix=self.prefix)
+        else:
+            model_spec = c.model if c.model == "tiny" else str(self.model_dir)
+            self.actors = create_actors(model_spec, c, self.eos_ids, prefix=self.prefix)
+
+    async def start(self) -> None:
+        import asyncio
+
+        if self.actors is None:
+            await asyncio.get_running_loop().run_in_executor(None, self.start_actors)
+        a = self.actors
+        self.frontend = Frontend(list(zip(a.prefill, a.prefill_info)), list(zip(a.decode, a.decode_info)), self.config.deadlines)
+        await self.frontend.start()
 
     async def stop(self, shutdown_ray: bool | None = None) -> None:
-        if self.router is not None:
-            await self.router.stop()
-        if self.actors is not None:
+        if self.frontend is not None:
+            await self.frontend.stop()
+        if self.actors is not None and not self.attach:
             kill_actors(self.actors)
         if (self._owns_ray if shutdown_ray is None else shutdown_ray) and ray.is_initialized():
             ray.shutdown()
@@ -66,9 +73,23 @@ class Service:
         return req.sampling.seed if req.sampling.seed is not None else random.getrandbits(63)
 
     async def generate(self, req: GenerateRequest, seed: int | None = None):
+        """Token events of `req` one by one (a convenience over `Frontend.generate`'s batches)."""
         seed = self.seed_for(req) if seed is None else seed
-        async for ev in self.router.generate(req, seed):
-            yield ev
+        outputs = self.frontend.generate(req, seed)
+        try:
+            async for out in outputs:
+                for ev in out.events:
+                    yield ev
+        finally:
+            await outputs.aclose()
 
     async def complete(self, req: GenerateRequest, seed: int | None = None) -> list[TokenEvent]:
         return [ev async for ev in self.generate(req, seed)]
+
+    def outputs(self, req: GenerateRequest, seed: int | None = None):
+        """`Frontend.generate`: batches of events (and prompt scores) as they come."""
+        seed = self.seed_for(req) if seed is None else seed
+        return self.frontend.generate(req, seed)
+
+
+__all__ = ["Service", "Output"]

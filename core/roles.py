@@ -55,8 +55,6 @@ class PrefillConfig:
     """Prompt tokens processed in one prefill forward (across requests); longer prompts are chunked."""
     max_batch_requests: int = 16
     """Most requests in one prefill forward."""
-    layout_lease_s: float = 30.0
-    """A finished layout not picked up by a decode actor within this time is freed."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +97,84 @@ class ServerConfig:
     served_model_name: str | None = None
     """Model name the API answers to; default: `tiny` or the model directory's name."""
     max_concurrent_requests: int = 512
-    """Requests in flight before new ones get 429."""
+    """HTTP requests in flight per gateway process before new ones get 429."""
+    max_sequences_per_request: int = 64
+    """Most sequences one request may fan out to (`len(prompt) x n`); more is a 400."""
+    max_body_bytes: int = 16 * 2**20
+    """Largest request body accepted; a larger one gets 413 before it is parsed."""
+    api_key: str | None = field(default=None, repr=False)
+    """When set, every /v1 route requires `Authorization: Bearer <key>` (401 otherwise); /health and
+    /metrics stay open. Never logged."""
+    stream_interval: int = 1
+    """Tokens per streamed chunk (the first and the last chunk are sent at once); a client that lags gets
+    what is pending merged into one chunk."""
+    api_workers: int = 1
+    """Gateway processes serving the same port, sharing the same actors; each owns its requests."""
+
+
+@dataclass(frozen=True)
+class DeadlineConfig:
+    """How long each stage of a request may take; past it the request ends with a clear error.
+
+    The decode side holds a request's reserved pages for `prefill_timeout_s + handoff_timeout_s` (the
+    reservation lease), which by construction outlasts every wait between reserving and handing over.
+    """
+
+    queue_timeout_s: float = 30.0
+    """Wait for decode capacity before prefill starts; past it: 503 with Retry-After, before any token."""
+    max_queued_requests: int = 1024
+    """Requests a gateway process lets wait for capacity at once; beyond it new ones get 503 at once."""
+    prefill_timeout_s: float = 1800.0
+    """Prefill of one request, its wait in the prefill actor's queue included (long prompts need long)."""
+    handoff_timeout_s: float = 60.0
+    """From a finished prefill until the decode actor holds the layout."""
+    token_timeout_s: float = 60.0
+    """Most time between two tokens of a running request; a stream silent for longer ends with an error."""
+    max_request_retries: int = 1
+    """Times a request is prefilled again after losing a worker or failing a step, before it fails."""
+    subscriber_timeout_s: float = 30.0
+    """A decode actor drops a gateway that has not collected its output for this long, aborting its requests."""
+    step_hang_s: float = 120.0
+    """A step thread with work that shows no progress for this long is hung: out of routing, requests moved."""
+
+    def __post_init__(self) -> None:
+        for name in ("queue_timeout_s", "prefill_timeout_s", "handoff_timeout_s", "token_timeout_s",
+                     "subscriber_timeout_s", "step_hang_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.max_request_retries < 0 or self.max_queued_requests < 1:
+            raise ValueError("max_request_retries must be >= 0 and max_queued_requests >= 1")
+        if self.subscriber_timeout_s <= POLL_INTERVAL_S * 2:
+            raise ValueError(f"subscriber_timeout_s must exceed twice the {POLL_INTERVAL_S} s output poll")
+
+    @property
+    def reservation_lease_s(self) -> float:
+        """How long reserved decode pages wait for their layout."""
+        return self.prefill_timeout_s + self.handoff_timeout_s
+
+
+POLL_INTERVAL_S = 1.0
+"""A gateway's output poll returns after at most this long even with nothing to report (a heartbeat)."""
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    """Faults injected on purpose, for chaos tests and benchmarks; everything is off by default."""
+
+    poison_token_id: int | None = None
+    """A decode step that holds a request whose prompt contains this token id raises."""
+    hang_token_id: int | None = None
+    """A decode step that holds a request whose prompt contains this token id blocks for `hang_s`."""
+    hang_s: float = 3600.0
+    """How long an injected hang blocks the step thread."""
+
+    def tag(self, prompt_token_ids) -> str | None:
+        """The fault a request with this prompt carries: `poison`, `hang` or None."""
+        if self.poison_token_id is not None and self.poison_token_id in prompt_token_ids:
+            return "poison"
+        if self.hang_token_id is not None and self.hang_token_id in prompt_token_ids:
+            return "hang"
+        return None
 
 
 @dataclass(frozen=True)
@@ -112,3 +187,5 @@ class ServeConfig:
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)

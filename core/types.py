@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+MAX_LOGPROBS = 20
+"""Most top alternatives a request may ask for, per generated or prompt token."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,18 +28,23 @@ class SamplingParams:
     """Keep generating past end-of-sequence tokens."""
     logprobs: int | None = None
     """Return the log-probability of each chosen token and of this many top alternatives."""
+    prompt_logprobs: int | None = None
+    """Return the log-probability of every prompt token after the first (computed by prefill from the
+    same logits a dense forward gives) and of this many top alternatives; None: not asked."""
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
+        if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
+            raise ValueError("max_tokens must be at least 1 (0 only to score a prompt with prompt_logprobs)")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError("logprobs must be between 0 and 20")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}")
 
     @property
     def greedy(self) -> bool:
@@ -58,6 +66,16 @@ class SampledToken:
 
     token_id: int
     logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptLogprob:
+    """A prompt token's log-probability under the model given the tokens before it."""
+
+    token_id: int
+    logprob: float | None
+    """None for the first prompt token (nothing precedes it)."""
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
@@ -111,6 +129,20 @@ class WorkerUnavailable(HisparseError):
 
     status = 503
     kind = "service_unavailable"
+
+
+class RequestFailed(HisparseError):
+    """A request failed on the workers after every retry it was allowed (the message says why)."""
+
+    status = 500
+    kind = "internal_error"
+
+
+class DeadlineExceeded(HisparseError):
+    """A stage of a request took longer than its deadline (the message names the deadline and its flag)."""
+
+    status = 504
+    kind = "timeout"
 
 
 def finish_reason(token_id: int, num_generated: int, params: SamplingParams, eos_ids: tuple[int, ...]) -> str | None:

@@ -1,24 +1,38 @@
 """The decode worker: admission under a device budget and continuous batching, as a plain class.
 
-Requests arrive prefilled (a layout, the first token, sampling params). Between steps, waiting
-requests are admitted in arrival order while the store has room; each step decodes one token for
-every running request; finished and aborted requests leave and return their memory at once.
+Requests arrive prefilled (a layout, the next input token, sampling params). Each step decodes one
+token for every running request; finished and aborted requests leave and return their memory at once.
 
-Growth policy: **reserve**. Admission reserves the blocks a request needs at its final length
-(prompt + max_tokens), so an admitted request never stalls or has to be preempted mid-stream. In a
-PD split a preempted request would have to be prefilled again on the other side, which costs far
-more than the capacity the reservation holds back; and the reservation is returned the moment a
-request stops early.
+Two ways in:
+- **reserved** (the PD split): `reserve` takes a request's pages at its final length before its prefill
+  starts (callable from any thread, so an actor answers at once); the layout arrives later through
+  `arrive` and is written between steps, in batches. A reservation whose layout does not arrive within
+  its lease is freed and reported as a failure.
+- **queued** (one process): `submit` queues a prefilled request; it is admitted in arrival order once
+  its pages fit.
+
+Growth policy: **reserve**. Pages are held at the final length (prompt + max_tokens), so an admitted
+request never stalls or has to be preempted mid-stream — in a PD split a preempted request would have
+to be prefilled again on the other side — and the reservation returns the moment a request stops.
+
+Failures: an exception in a step fails exactly the requests of that step (their state may be half
+written), as retryable failures collected by `take_failures`; a request that failed once this way is
+marked `solo` when it comes back, and a solo request always decodes in a step of its own, so a request
+that crashes every step it joins takes down at most one batch. A layout that cannot be written fails
+its own request and returns the pages it took.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from cachetier.layout import KVLayout
 from cachetier.store import KVStore
+from core.roles import FaultConfig
 from core.types import SampledToken, SamplingParams, TokenEvent, finish_reason
 from model.model import V4Model
 from model.sampling import sample
@@ -33,14 +47,33 @@ class DecodeRequest:
     request_id: str
     layout: KVLayout
     first_token: SampledToken
+    """The last token generated so far: the next step's input (the first token for a fresh request)."""
     sampling: SamplingParams
     seed: int
     num_generated: int = 1
     """Tokens already generated (the first token included); more than 1 when a request is re-prefilled."""
+    owner: str = ""
+    """Who collects this request's tokens (a gateway's id); the worker only passes it through."""
+    solo: bool = False
+    """Decode in a step of its own (the request failed a step before)."""
+    fault: str | None = None
+    """An injected fault this request carries (`poison` or `hang`; chaos tests only)."""
 
     @property
     def reserve_tokens(self) -> int:
         return self.layout.num_tokens + self.sampling.max_tokens - self.num_generated + 1
+
+
+@dataclass
+class Failure:
+    """A request the worker dropped, and why."""
+
+    request_id: str
+    owner: str
+    message: str
+    kind: str
+    """`step` (it was in a step that raised), `layout` (its layout could not be written) or `lease` (its
+    reservation lapsed before the layout came). A new prefill elsewhere may succeed after any of them."""
 
 
 @dataclass
@@ -50,21 +83,60 @@ class _Running:
     num_generated: int
 
 
+@dataclass
+class _Reservation:
+    owner: str
+    deadline: float
+
+
+class InjectedFault(RuntimeError):
+    """Raised by a step that holds a request carrying an injected `poison` fault."""
+
+
 class DecodeWorker:
     def __init__(self, model: V4Model, store: KVStore, max_running: int = 64, eos_ids: tuple[int, ...] | None = None,
-                 check_when_idle: bool = True) -> None:
+                 check_when_idle: bool = True, faults: FaultConfig | None = None) -> None:
         self.model = model
         self.store = store
         self.max_running = max_running
         self.eos_ids = model.cfg.eos_token_ids if eos_ids is None else eos_ids
+        self.faults = faults or FaultConfig()
         self.waiting: deque[DecodeRequest] = deque()
         self.running: dict[str, _Running] = {}
+        self.reserved: dict[str, _Reservation] = {}
+        self.arrivals: deque[DecodeRequest] = deque()
+        self.failures: list[Failure] = []
+        self._lock = threading.Lock()  # guards `reserved` (reservations come from other threads)
         self.steps = 0
         self.tokens_out = 0
+        self.failed_steps = 0
         self.check_when_idle = check_when_idle
         self.integrity_checks = 0
 
     # requests in and out -------------------------------------------------------------------------
+
+    def reserve(self, request_id: str, reserve_tokens: int, owner: str = "", lease_s: float = 60.0) -> bool:
+        """Hold a request's pages before its prefill; False when they are not free now (thread-safe).
+        Raises `NeverFitsError` when no budget could ever hold it."""
+        self.store.check_fits_ever(request_id, reserve_tokens)
+        with self._lock:
+            if request_id in self.reserved or request_id in self.running:
+                raise ValueError(f"request {request_id} is already here")
+            if len(self.reserved) + len(self.running) + len(self.arrivals) >= self.max_running:
+                return False
+            if not self.store.reserve(request_id, reserve_tokens):
+                return False
+            self.reserved[request_id] = _Reservation(owner, time.monotonic() + lease_s)
+        return True
+
+    def arrive(self, req: DecodeRequest) -> bool:
+        """A prefilled request whose pages are reserved; written in before the next step (thread-safe).
+        False when it holds no reservation (cancelled or lapsed)."""
+        with self._lock:
+            if req.request_id not in self.reserved:
+                return False
+            self.arrivals.append(req)
+        return True
 
     def submit(self, req: DecodeRequest) -> None:
         """Queue a prefilled request; raises `NeverFitsError` if no budget could ever hold it."""
@@ -72,23 +144,69 @@ class DecodeWorker:
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request wherever it is; its memory in both tiers returns at once."""
+        """Stop a request wherever it is; its memory in both tiers returns at once (step thread only)."""
+        found = False
         if request_id in self.running:
             del self.running[request_id]
             self.store.free(request_id)
-            if self.check_when_idle and not self.running and not self.waiting:
-                self.check_integrity()
-            return True
-        for req in self.waiting:
-            if req.request_id == request_id:
-                self.waiting.remove(req)
-                return True
-        return False
+            found = True
+        else:
+            with self._lock:
+                if self.reserved.pop(request_id, None) is not None:
+                    self.store.free(request_id)
+                    found = True
+                for req in list(self.arrivals):
+                    if req.request_id == request_id:
+                        self.arrivals.remove(req)
+            for req in self.waiting:
+                if req.request_id == request_id:
+                    self.waiting.remove(req)
+                    found = True
+                    break
+        self._check_if_idle()
+        return found
+
+    def owned_by(self, owner: str) -> list[str]:
+        """Ids of every request (reserved, arriving or running) collected by `owner`."""
+        with self._lock:
+            ids = [rid for rid, r in self.reserved.items() if r.owner == owner]
+        return ids + [rid for rid, run in self.running.items() if run.req.owner == owner]
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        """Whether `step` has something to do: requests to decode or admit, or a reservation that lapsed."""
+        if self.running or self.waiting or self.arrivals:
+            return True
+        with self._lock:
+            return bool(self.reserved) and min(r.deadline for r in self.reserved.values()) < time.monotonic()
+
+    def idle(self) -> bool:
+        """Nothing held at all: no request running, queued, arriving or reserved."""
+        return not (self.running or self.waiting or self.arrivals or self.reserved)
+
+    def take_failures(self) -> list[Failure]:
+        out, self.failures = self.failures, []
+        return out
+
+    def _fail(self, request_id: str, owner: str, message: str, kind: str) -> None:
+        self.failures.append(Failure(request_id, owner, message, kind))
 
     def _admit(self) -> None:
+        # reserved requests whose layout arrived, in batches between steps
+        while self.arrivals:
+            with self._lock:
+                req = self.arrivals.popleft()
+                res = self.reserved.pop(req.request_id, None)
+            if res is None:
+                continue  # aborted while its layout was on the way
+            try:
+                self.store.fill(req.request_id, req.layout)
+            except Exception as e:
+                log.exception("writing the layout of %s failed", req.request_id)
+                self.store.free(req.request_id)
+                self._fail(req.request_id, req.owner, f"writing its layout failed: {e}", "layout")
+                continue
+            self.running[req.request_id] = _Running(req, req.first_token.token_id, req.num_generated)
+        # queued requests, in arrival order while they fit
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
             if not self.store.fits(req.reserve_tokens):
@@ -96,18 +214,51 @@ class DecodeWorker:
             self.waiting.popleft()
             self.store.admit(req.request_id, req.layout, req.reserve_tokens)
             self.running[req.request_id] = _Running(req, req.first_token.token_id, req.num_generated)
+        # reservations whose layout never came
+        if self.reserved:
+            now = time.monotonic()
+            with self._lock:
+                lapsed = [(rid, r) for rid, r in self.reserved.items() if r.deadline < now]
+                for rid, _ in lapsed:
+                    del self.reserved[rid]
+                    self.store.free(rid)
+            for rid, r in lapsed:
+                self._fail(rid, r.owner, "its layout did not arrive within the reservation lease", "lease")
 
     # the step ------------------------------------------------------------------------------------
 
     def step(self) -> list[TokenEvent]:
-        """Admit what fits, decode one token for every running request; returns the new tokens."""
+        """Admit what arrived or fits, decode one token for every running request; returns the new tokens.
+        Requests that failed are collected by `take_failures`."""
         self._admit()
         if not self.running:
+            self._check_if_idle()
             return []
-        ids = list(self.running)
+        solo = [rid for rid, run in self.running.items() if run.req.solo]
+        batch = [rid for rid, run in self.running.items() if not run.req.solo]
+        events = []
+        for ids in ([batch] if batch else []) + [[rid] for rid in solo]:
+            events += self._decode(ids)
+        self.steps += 1
+        self.tokens_out += len(events)
+        self._check_if_idle()
+        return events
+
+    def _decode(self, ids: list[str]) -> list[TokenEvent]:
         runs = [self.running[i] for i in ids]
-        logits = self.model.decode_step(self.store.batch(ids), [r.last_token for r in runs])
-        toks = sample(logits, [r.req.sampling for r in runs], [r.req.seed for r in runs], [r.num_generated for r in runs])
+        try:
+            self._inject_faults(runs)
+            logits = self.model.decode_step(self.store.batch(ids), [r.last_token for r in runs])
+            toks = sample(logits, [r.req.sampling for r in runs], [r.req.seed for r in runs], [r.num_generated for r in runs])
+        except Exception as e:
+            # The step may have written part of these requests' state: drop them all, each to be prefilled again.
+            self.failed_steps += 1
+            log.exception("decode step over %d request(s) failed; failing them", len(ids))
+            for rid, run in zip(ids, runs):
+                del self.running[rid]
+                self.store.free(rid)
+                self._fail(rid, run.req.owner, f"a decode step it was in failed: {type(e).__name__}: {e}", "step")
+            return []
         events = []
         for rid, run, tok in zip(ids, runs, toks):
             run.num_generated += 1
@@ -117,18 +268,27 @@ class DecodeWorker:
             if reason is not None:
                 del self.running[rid]
                 self.store.free(rid)
-        self.steps += 1
-        self.tokens_out += len(events)
-        if self.check_when_idle and not self.running and not self.waiting:
-            self.check_integrity()  # idle: nothing in flight can hide a leak, and the check costs no latency
         return events
+
+    def _inject_faults(self, runs: list[_Running]) -> None:
+        faults = {r.req.fault for r in runs}
+        if "hang" in faults:
+            log.warning("injected fault: the step thread blocks for %.0f s", self.faults.hang_s)
+            time.sleep(self.faults.hang_s)
+        if "poison" in faults:
+            raise InjectedFault("injected fault: this step holds a poisoned request")
+
+    def _check_if_idle(self) -> None:
+        if self.check_when_idle and self.idle():
+            self.check_integrity()  # idle: nothing in flight can hide a leak, and the check costs no latency
 
     def check_integrity(self) -> None:
         self.store.check_integrity()
         self.integrity_checks += 1
 
     def stats(self) -> dict:
-        out = {"running": len(self.running), "waiting": len(self.waiting), "steps": self.steps, "tokens_out": self.tokens_out,
+        out = {"running": len(self.running), "waiting": len(self.waiting) + len(self.arrivals), "reserved": len(self.reserved),
+               "steps": self.steps, "tokens_out": self.tokens_out, "failed_steps": self.failed_steps,
                "integrity_checks": self.integrity_checks}
         out.update(self.store.stats())
         return out

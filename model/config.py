@@ -226,3 +226,21 @@ def to_hf_dict(cfg: ModelConfig) -> dict:
         "num_nextn_predict_layers": 0,
         "torch_dtype": "float32",
     }
+
+
+def end_of_sequence_ids(model_dir: str | Path | None, cfg: ModelConfig, tokenizer_eos: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The one set of token ids that end a request: config.json's `eos_token_id`, generation_config.json's
+    (an int or a list) and the tokenizer's end-of-sequence token. Computed once when a server or engine
+    starts and handed to everything that stops requests."""
+    ids = set(cfg.eos_token_ids) | set(tokenizer_eos)
+    path = Path(model_dir) / "generation_config.json" if model_dir is not None else None
+    if path is not None and path.is_file():
+        try:
+            eos = json.loads(path.read_text()).get("eos_token_id")
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(i) for i in eos)
+    return tuple(sorted(ids))

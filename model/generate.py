@@ -19,9 +19,11 @@ def generate_plain(
     params: SamplingParams,
     seed: int = 0,
     prefill_chunk: int | None = None,
+    eos_ids: tuple[int, ...] | None = None,
 ) -> tuple[list[SampledToken], str, KVLayout]:
-    """Generate up to `params.max_tokens` tokens; returns (tokens, finish reason, final layout)."""
-    eos = model.cfg.eos_token_ids
+    """Generate up to `params.max_tokens` tokens; returns (tokens, finish reason, final layout).
+    `eos_ids`: see `model.config.end_of_sequence_ids` (default: the config's)."""
+    eos = model.cfg.eos_token_ids if eos_ids is None else eos_ids
     layout = None
     chunk = prefill_chunk or len(prompt_ids)
     for a in range(0, len(prompt_ids), chunk):

@@ -64,8 +64,9 @@ class V4Model(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def _run(self, token_ids: torch.Tensor, attend: AttendFn) -> torch.Tensor:
-        """Token-wise trunk over `token_ids` [tokens]; `attend(layer, x)` supplies attention -> logits [tokens, vocab]."""
+    def _run(self, token_ids: torch.Tensor, attend: AttendFn, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Token-wise trunk over `token_ids` [tokens]; `attend(layer, x)` supplies attention -> logits [tokens, vocab]
+        (only of the token positions `rows`, when given: the head is the widest matmul of a prefill)."""
         cfg = self.cfg
         x = self.embed(token_ids)
         streams = x.unsqueeze(-2).expand(-1, cfg.hc_mult, -1).contiguous()  # [tokens, hc, hidden]
@@ -74,6 +75,8 @@ class V4Model(nn.Module):
             streams = hc_merge(streams, attend(i, blk.attn_norm(c)), post, comb)
             post, comb, c = hc_weights(streams, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale, cfg)
             streams = hc_merge(streams, blk.ffn(blk.ffn_norm(c), token_ids), post, comb)
+        if rows is not None:
+            streams = streams[rows]
         flat = rms(streams.flatten(-2).float(), cfg.rms_norm_eps)
         pre = torch.sigmoid(flat @ self.hc_head_fn.float().T * self.hc_head_scale.float() + self.hc_head_base.float())
         pre = pre + cfg.hc_eps
@@ -85,12 +88,14 @@ class V4Model(nn.Module):
 
     @torch.inference_mode()
     def prefill_batch(
-        self, items: Sequence[tuple[Sequence[int] | torch.Tensor, KVLayout | None]], last_only: bool = False
+        self, items: Sequence[tuple[Sequence[int] | torch.Tensor, KVLayout | None]], last_only: bool = False,
+        full_logits: Sequence[bool] | None = None,
     ) -> tuple[list[torch.Tensor], list[KVLayout]]:
         """Prefill several requests at once. Each item is (new tokens, existing layout or None).
 
         Existing layouts are advanced in place. Returns per request the logits [tokens, vocab]
-        (or [1, vocab] of the last token with `last_only`) and its layout.
+        (or [1, vocab] of the last token with `last_only`, except for items whose `full_logits` flag
+        is set) and its layout.
         """
         ids, layouts, spans = [], [], []
         offset = 0
@@ -119,11 +124,18 @@ class V4Model(nn.Module):
             ]
             return torch.cat(outs)
 
-        logits = self._run(torch.cat(ids), attend)
+        full = [not last_only or bool(full_logits and full_logits[k]) for k in range(len(spans))]
+        rows, out_spans = [], []
+        for (a, b), f in zip(spans, full):
+            start = sum(len(r) for r in rows)
+            rows.append(range(a, b) if f else range(b - 1, b))
+            out_spans.append((start, start + len(rows[-1])))
+        head_rows = None if all(full) else torch.tensor([i for r in rows for i in r], dtype=torch.long, device=self.device)
+        logits = self._run(torch.cat(ids), attend, head_rows)
         out = []
-        for lay, (a, b) in zip(layouts, spans):
+        for lay, (a, b), (c, d) in zip(layouts, spans, out_spans):
             lay.num_tokens += b - a
-            out.append(logits[b - 1 : b] if last_only else logits[a:b])
+            out.append(logits[c:d])
         return out, layouts
 
     def prefill(

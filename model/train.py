@@ -34,7 +34,7 @@ from model.attention import compress_segment
 from model.layers import Attention, complete_entries, select_topk, selection_mask, window_visible
 from model.model import V4Model
 from model.rope import Rotary
-from model.tokenizer import BYTE_SPECIALS, EOS, SIMPLE_CHAT_TEMPLATE, Tokenizer
+from model.tokenizer import BYTE_SPECIALS, EOS, SIMPLE_CHAT_TEMPLATE, Tokenizer, bos_post_processor
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +101,9 @@ def train_tokenizer(texts: list[str], vocab_size: int = 4096) -> Tokenizer:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(BYTE_SPECIALS), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     inner.train_from_iterator(texts, trainer)
+    inner.post_processor = bos_post_processor(BYTE_SPECIALS[0], inner.token_to_id(BYTE_SPECIALS[0]))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BYTE_SPECIALS[0], "eos_token": EOS,
-              "pad_token": BYTE_SPECIALS[2], "add_bos_token": True, "chat_template": SIMPLE_CHAT_TEMPLATE}
+              "pad_token": BYTE_SPECIALS[2], "chat_template": SIMPLE_CHAT_TEMPLATE}
     return Tokenizer(inner, config)
 
 

@@ -4,6 +4,11 @@ each request's layout and samples its first token. A plain class; the Ray actor 
 One scheduling rule covers long and short prompts: each step takes up to `max_batch_tokens` prompt
 tokens, in arrival order, from the requests not yet fully prefilled (a long prompt continues in
 the next step where it stopped, at any position — windows stay aligned to absolute positions).
+A `solo` request (one that failed a step before) is prefilled in a step of its own.
+
+Prompt log-probabilities (for `echo` + `logprobs`) come from the same logits a dense forward gives:
+the logits at position i score prompt token i + 1; the last position of a chunk scores the first
+token of the next chunk, so only the rows asked for are ever projected onto the vocabulary.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import torch
 
 from cachetier.layout import KVLayout
 from core.roles import PrefillConfig
-from core.types import InvalidRequestError, SampledToken, SamplingParams
+from core.types import InvalidRequestError, PromptLogprob, SampledToken, SamplingParams, finish_reason
 from model.model import V4Model
 from model.sampling import sample
 
@@ -32,18 +37,24 @@ class PrefillRequest:
     resume_tokens: tuple[int, ...] = ()
     """Tokens already generated (recovery after a decode failure): the layout is rebuilt over
     prompt + all but the last of them, and the last becomes the next input instead of a new sample."""
+    solo: bool = False
+    """Prefill (and later decode) in steps of its own: the request failed a step before."""
 
 
 @dataclass
 class PrefillResult:
     request_id: str
     layout: KVLayout
-    first_token: SampledToken
+    first_token: SampledToken | None
+    """The token to decode from next; None when nothing is generated (`max_tokens` 0: scoring only)."""
     sampling: SamplingParams
     seed: int
     prompt_len: int
     num_generated: int
     """Tokens generated once this result exists (1 for a fresh request)."""
+    finish_reason: str | None = None
+    """Set when the request is already complete (its first token ends it, or nothing is generated)."""
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 class _Pending:
@@ -52,14 +63,25 @@ class _Pending:
         self.tokens = list(req.prompt_token_ids) + list(req.resume_tokens[:-1])
         self.done = 0
         self.layout: KVLayout | None = None
+        self.wants_logprobs = req.sampling.prompt_logprobs is not None and not req.resume_tokens
+        self.logprobs: list[PromptLogprob] = []
+        self.carry: torch.Tensor | None = None  # last chunk's final logits: they score the next chunk's first token
+
+
+@dataclass
+class PrefillFailure:
+    request_id: str
+    message: str
 
 
 class PrefillWorker:
-    def __init__(self, model: V4Model, config: PrefillConfig | None = None) -> None:
+    def __init__(self, model: V4Model, config: PrefillConfig | None = None, eos_ids: tuple[int, ...] | None = None) -> None:
         self.model = model
         self.config = config or PrefillConfig()
+        self.eos_ids = model.cfg.eos_token_ids if eos_ids is None else eos_ids
         self.pending: OrderedDict[str, _Pending] = OrderedDict()
         self.tokens_in = 0
+        self.failures: list[PrefillFailure] = []
 
     def validate(self, req: PrefillRequest) -> None:
         cfg = self.model.cfg
@@ -88,45 +110,99 @@ class PrefillWorker:
     def queued_tokens(self) -> int:
         return sum(len(p.tokens) - p.done for p in self.pending.values())
 
+    def progress(self) -> dict[str, tuple[int, int]]:
+        """Per pending request: (prompt tokens done, total)."""
+        return {rid: (p.done, len(p.tokens)) for rid, p in self.pending.items()}
+
     def has_work(self) -> bool:
         return bool(self.pending)
 
-    def step(self) -> list[PrefillResult]:
-        """One forward over up to `max_batch_tokens` prompt tokens; returns the requests it completed."""
+    def take_failures(self) -> list[PrefillFailure]:
+        out, self.failures = self.failures, []
+        return out
+
+    def _choose(self) -> list[tuple[_Pending, int]]:
         budget = self.config.max_batch_tokens
-        items, chosen = [], []
+        chosen: list[tuple[_Pending, int]] = []
         for p in self.pending.values():
             if budget <= 0 or len(chosen) >= self.config.max_batch_requests:
                 break
+            if p.req.solo and chosen:
+                continue  # a solo request waits for a step of its own
             n = min(len(p.tokens) - p.done, budget)
-            items.append((p.tokens[p.done : p.done + n], p.layout))
             chosen.append((p, n))
             budget -= n
+            if p.req.solo:
+                break
+        return chosen
+
+    def step(self) -> list[PrefillResult]:
+        """One forward over up to `max_batch_tokens` prompt tokens; returns the requests it completed.
+        If the forward fails, the requests in it are dropped and reported by `take_failures`."""
+        chosen = self._choose()
         if not chosen:
             return []
-        logits, layouts = self.model.prefill_batch(items, last_only=True)
-        done: list[PrefillResult] = []
-        finished_logits, finished = [], []
+        items = [(p.tokens[p.done : p.done + n], p.layout) for p, n in chosen]
+        full = [p.wants_logprobs for p, _ in chosen]
+        try:
+            logits, layouts = self.model.prefill_batch(items, last_only=True, full_logits=full)
+        except Exception as e:
+            log.exception("prefill step over %d request(s) failed; failing them", len(chosen))
+            for p, _ in chosen:
+                del self.pending[p.req.request_id]
+                self.failures.append(PrefillFailure(p.req.request_id, f"a prefill step it was in failed: {type(e).__name__}: {e}"))
+            return []
+        finished: list[tuple[_Pending, torch.Tensor]] = []
         for (p, n), lo, layout in zip(chosen, logits, layouts):
             p.layout = layout
+            if p.wants_logprobs:
+                self._score(p, lo, n)
+                lo = lo[-1:]
             p.done += n
             self.tokens_in += n
-            if p.done < len(p.tokens):
-                continue
-            finished.append(p)
-            finished_logits.append(lo)
-        fresh = [(p, lo) for p, lo in zip(finished, finished_logits) if not p.req.resume_tokens]
+            if p.done == len(p.tokens):
+                finished.append((p, lo))
+        return self._finish(finished)
+
+    def _score(self, p: _Pending, logits: torch.Tensor, n: int) -> None:
+        """Log-probabilities of this chunk's prompt tokens from the logits before each of them."""
+        top = p.req.sampling.prompt_logprobs or 0
+        start = p.done
+        ids = torch.tensor(p.tokens[start : start + n], dtype=torch.long)
+        rows = logits[:-1] if p.carry is None else torch.cat((p.carry, logits[:-1]))  # the rows scoring ids
+        if start == 0:
+            p.logprobs.append(PromptLogprob(p.tokens[0], None))
+            ids = ids[1:]
+        p.carry = logits[-1:].clone()
+        if ids.numel() == 0:
+            return
+        lp = torch.log_softmax(rows.float(), dim=-1)  # [n, vocab]
+        chosen = lp.gather(1, ids[:, None]).squeeze(1).tolist()
+        tops = [()] * len(chosen)
+        if top:
+            vals, idx = lp.topk(top, dim=-1)
+            tops = [tuple(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+        p.logprobs += [PromptLogprob(t, c, tp) for t, c, tp in zip(ids.tolist(), chosen, tops)]
+
+    def _finish(self, finished: list[tuple[_Pending, torch.Tensor]]) -> list[PrefillResult]:
+        fresh = [(p, lo) for p, lo in finished if not p.req.resume_tokens and p.req.sampling.max_tokens > 0]
         sampled = {}
         if fresh:
             toks = sample(torch.cat([lo for _, lo in fresh]), [p.req.sampling for p, _ in fresh],
                           [p.req.seed for p, _ in fresh], [0] * len(fresh))
             sampled = {p.req.request_id: t for (p, _), t in zip(fresh, toks)}
-        for p in finished:
+        done = []
+        for p, _ in finished:
             req = p.req
             del self.pending[req.request_id]
+            reason = None
             if req.resume_tokens:
                 first, n_gen = SampledToken(req.resume_tokens[-1]), len(req.resume_tokens)
+            elif req.sampling.max_tokens == 0:
+                first, n_gen, reason = None, 0, "length"
             else:
                 first, n_gen = sampled[req.request_id], 1
-            done.append(PrefillResult(req.request_id, p.layout, first, req.sampling, req.seed, len(req.prompt_token_ids), n_gen))
+                reason = finish_reason(first.token_id, 1, req.sampling, self.eos_ids)
+            done.append(PrefillResult(req.request_id, p.layout, first, req.sampling, req.seed, len(req.prompt_token_ids), n_gen,
+                                      reason, p.logprobs if p.wants_logprobs else None))
         return done

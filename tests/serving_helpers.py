@@ -34,7 +34,7 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: floa
 
 
 def run(loop, coro, timeout: float = 300):
-    """Run `coro` on a loop that outlives each test (the router's tasks live on it)."""
+    """Run `coro` on a loop that outlives each test (the frontend's tasks live on it)."""
     return loop.run_until_complete(asyncio.wait_for(coro, timeout))
 
 

@@ -1,4 +1,4 @@
-"""Cluster tests: an event loop that outlives each test (the router's tasks live on it)."""
+"""Cluster tests: an event loop that outlives each test (the frontend's tasks live on it)."""
 
 from __future__ import annotations
 

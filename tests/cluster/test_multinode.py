@@ -9,8 +9,8 @@ import ray
 from ray.cluster_utils import Cluster
 from serving_helpers import run
 
-from cluster.handoff import ROLE_DECODE, ROLE_PREFILL
 from cluster.inprocess import InProcessEngine
+from cluster.protocol import ROLE_DECODE, ROLE_PREFILL
 from cluster.service import Service
 from core.roles import ClusterConfig, ServeConfig, TierConfig
 from core.types import GenerateRequest, SamplingParams, WorkerUnavailable
@@ -63,13 +63,13 @@ def test_roles_place_actors_and_survive_node_loss(loop, cluster, tiny_model):
         msg = run(loop, fails())
         assert msg is not None and "decode actor" in msg
 
-        # a new decode node joins: Ray restarts the actor there and it rejoins the router
+        # a new decode node joins: Ray restarts the actor there and it rejoins routing
         new_node = c.add_node(num_cpus=1, resources={ROLE_DECODE: 1}, node_ip_address="127.0.0.1")
         c.wait_for_nodes()
 
         async def back():
             for _ in range(240):
-                if svc.router.decode[0].alive:
+                if svc.frontend.decode[0].alive:
                     return True
                 await asyncio.sleep(0.5)
             return False

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 import httpx
 import pytest
@@ -24,9 +25,10 @@ def test_ray_start_then_serve_with_address(tiny_dir, tmp_path):
     env = dict(os.environ, HISPARSE_CACHE=str(tiny_dir.parent.parent))
     gcs = free_port()
     resources = json.dumps({"hisparse_prefill": 1, "hisparse_decode": 1})
+    temp_dir = tempfile.mkdtemp(prefix="ray-start-test-")  # names this cluster's processes, so only they are stopped
     head = subprocess.run([ray_bin, "start", "--head", "--port", str(gcs), "--node-ip-address", "127.0.0.1", "--num-cpus", "2",
-                           "--resources", resources, "--include-dashboard", "false", "--disable-usage-stats"],
-                          env=env, capture_output=True, text=True, timeout=120)
+                           "--resources", resources, "--include-dashboard", "false", "--disable-usage-stats",
+                           "--temp-dir", temp_dir], env=env, capture_output=True, text=True, timeout=120)
     assert head.returncode == 0, head.stdout + head.stderr
     port = free_port()
     proc = None
@@ -45,4 +47,21 @@ def test_ray_start_then_serve_with_address(tiny_dir, tmp_path):
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()
-        subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _stop_cluster(temp_dir)
+
+
+def _stop_cluster(temp_dir: str) -> None:
+    """Kill the processes of the cluster started under `temp_dir` (`ray stop` would stop every Ray
+    instance on the machine, a developer's own server included)."""
+    me = os.getpid()
+    for pid_dir in os.listdir("/proc"):
+        if not pid_dir.isdigit() or int(pid_dir) == me:
+            continue
+        try:
+            with open(f"/proc/{pid_dir}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+            if temp_dir in cmdline:
+                os.kill(int(pid_dir), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            continue
+    shutil.rmtree(temp_dir, ignore_errors=True)

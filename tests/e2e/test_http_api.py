@@ -121,14 +121,16 @@ def test_n_choices_seed_logprobs_echo(gw):
     assert all(c["text"].startswith("ab") for c in r["choices"][:3])
     texts = [c["text"] for c in r["choices"][:3]]
     assert len(set(texts)) > 1  # different seeds per choice
+    tok = gw.service.tokenizer
     for c in r["choices"]:
-        lp = c["logprobs"]
-        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 6
-        assert all(v <= 0 for v in lp["token_logprobs"]) and all(len(t) <= 3 for t in lp["top_logprobs"])
+        lp = c["logprobs"]  # echo + logprobs: the prompt's tokens first (the very first has no logprob), then the 6 generated
+        n_prompt = len(tok.encode("ab" if c["index"] < 3 else "cde"))
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n_prompt + 6
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
+        assert all(v <= 0 for v in lp["token_logprobs"][1:]) and all(len(t) <= 3 for t in lp["top_logprobs"][1:])
     again = _post(gw, "/v1/completions", body).json()
     assert [c["text"] for c in again["choices"]] == [c["text"] for c in r["choices"]]  # seeded: reproducible
     assert all(c["text"].startswith("cde") for c in r["choices"][3:])
-    tok = gw.service.tokenizer
     expected_prompt = len(tok.encode("ab")) + len(tok.encode("cde"))  # once per prompt, not per choice
     assert r["usage"]["prompt_tokens"] == expected_prompt and r["usage"]["completion_tokens"] == 36
     ids = _post(gw, "/v1/completions", {"prompt": [[6, 7, 8], [9, 10]], "max_tokens": 2, "n": 2}).json()
@@ -219,7 +221,7 @@ def test_disconnect_mid_stream_frees_both_tiers(gw):
 
 def test_metrics_exposes_latencies_and_tier(gw):
     _post(gw, "/v1/completions", {"prompt": [8] * 200, "max_tokens": 20, "ignore_eos": True})
-    time.sleep(1.2)  # one router poll
+    time.sleep(1.2)  # the stats in the actors' reports refresh once a second
     m = httpx.get(gw.url + "/metrics").text
     for name in ("hisparse_time_to_first_token_seconds_count", "hisparse_inter_token_latency_seconds_count",
                  "hisparse_e2e_request_latency_seconds_count", "hisparse_requests_waiting", "hisparse_kv_device_bytes_capacity",

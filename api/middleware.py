@@ -1,0 +1,84 @@
+"""ASGI middleware that runs before any route: the request id, the API key, the body size limit.
+
+Plain ASGI (not Starlette's BaseHTTPMiddleware), so streaming responses pass through untouched and a
+refused request costs no body parsing.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import uuid
+
+from api.errors import ApiError
+
+MAX_REQUEST_ID = 128
+_UNSAFE = re.compile(r"[^A-Za-z0-9._:/+=@-]")
+OPEN_PATHS = ("/health", "/metrics")
+"""Routes that stay open with an API key set (probes and scrapers)."""
+
+
+def clean_request_id(raw: str | None) -> str:
+    """A client's X-Request-Id made safe to echo and log (at most 128 of a restricted set of characters);
+    a fresh id when none (or nothing usable) was sent."""
+    if raw:
+        cleaned = _UNSAFE.sub("", raw)[:MAX_REQUEST_ID]
+        if cleaned:
+            return cleaned
+    return uuid.uuid4().hex
+
+
+def bearer_matches(header: str | None, key: str) -> bool:
+    """`Authorization: Bearer <key>` compared in constant time."""
+    if not header or not header.lower().startswith("bearer "):
+        return False
+    return hmac.compare_digest(header[7:].strip().encode(), key.encode())
+
+
+class GatewayMiddleware:
+    """Tags every request with a clean request id (echoed in `X-Request-Id`), checks the API key on every
+    route but the open ones (401), and refuses bodies over `max_body_bytes` (413) before they are read."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        rid = clean_request_id(headers.get("x-request-id"))
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message["headers"] = [*[(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"],
+                                      (b"x-request-id", rid.encode())]
+            await send(message)
+
+        if self.api_key and not scope["path"].startswith(OPEN_PATHS) and not bearer_matches(headers.get("authorization"), self.api_key):
+            err = ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`", "authentication_error",
+                           code="invalid_api_key")
+            return await err.response(rid)(scope, receive, send_with_id)
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return await self._too_large(rid)(scope, receive, send_with_id)
+
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body_bytes:  # a chunked body that grows too large: the route's handler answers 413
+                    raise self._too_large_error()
+            return message
+
+        await self.app(scope, limited_receive, send_with_id)
+
+    def _too_large_error(self) -> ApiError:
+        return ApiError(413, f"request body larger than {self.max_body_bytes} bytes (--max-body-bytes)",
+                        "invalid_request_error", code="request_too_large")
+
+    def _too_large(self, rid: str):
+        return self._too_large_error().response(rid)

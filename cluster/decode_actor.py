@@ -1,0 +1,199 @@
+"""The decode worker behind a Ray actor: reservations, layouts arriving by call, output by poll.
+
+- `reserve(owner, key, tokens)` holds a request's pages before its prefill (answered at once, from the
+  actor's event loop; the worker's reservations are thread-safe);
+- `admit(handoff, layout)` is called by a prefill actor with the layout as an argument; the request is
+  queued for the step thread, which writes arrivals in batches between steps;
+- `poll(owner)` returns everything new for that owner (a gateway's frontend) since its last poll, merged
+  into one `StepMessage`, waiting up to `POLL_INTERVAL_S` when there is nothing; the step thread wakes
+  the waiting poll once per step, never once per token;
+- `abort(keys)` stops requests wherever they are.
+
+A frontend that stops polling for `subscriber_timeout_s` is dropped and its requests aborted, so a dead
+gateway cannot pin memory here. Every reply carries a `Report` (capacity, and how long the step thread
+has been inside one step: a hung step thread shows up while this loop still answers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+
+import ray
+
+from cachetier.layout import layout_format, unpack_layout
+from cachetier.store import IntegrityError
+from cluster.protocol import Handoff, Outbox, Report, RequestGone, StepMessage
+from cluster.steploop import StepThread, on_thread
+from core.roles import POLL_INTERVAL_S, DeadlineConfig, FaultConfig, TierConfig
+from core.types import HisparseError
+
+log = logging.getLogger(__name__)
+
+
+class DecodeActor:
+    def __init__(self, model_spec: str, tier: TierConfig, name: str, num_threads: int = 1,
+                 eos_ids: tuple[int, ...] | None = None, deadlines: DeadlineConfig | None = None,
+                 faults: FaultConfig | None = None) -> None:
+        from cachetier.store import TieredStore
+        from cluster.prefill_actor import load_model_for_actor
+        from decode.worker import DecodeWorker
+
+        model = load_model_for_actor(model_spec, num_threads)
+        self.name = name
+        self.deadlines = deadlines or DeadlineConfig()
+        self.store = TieredStore(model.cfg, tier, dtype=model.dtype, device=model.device)
+        self.worker = DecodeWorker(model, self.store, max_running=tier.max_running, eos_ids=eos_ids, faults=faults)
+        self.format = layout_format(model.cfg, model.dtype)
+        self.outboxes: dict[str, Outbox] = {}
+        self.waiters: dict[str, asyncio.Event] = {}
+        self.last_poll: dict[str, float] = {}
+        self.owner_of: dict[str, str] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.integrity_errors = 0
+        self.handoffs = 0
+        self.handoff_bytes = 0
+        self.dropped_subscribers = 0
+        self._stats: dict = {}
+        self._sweeper: asyncio.Task | None = None
+        self.thread = StepThread(f"decode-{name}", self.worker.has_work, self._step, self._tick)
+
+    # the step thread -----------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        try:
+            events = self.worker.step()
+        except IntegrityError as e:  # the idle integrity check failed: count it, keep serving
+            self.integrity_errors += 1
+            log.error("integrity check failed on an idle decode worker: %s", e)
+            events = []
+        self._route(events, self.worker.take_failures())
+
+    def _route(self, events, failures) -> None:
+        """Put this step's output into its owners' outboxes and wake their polls (one wake per step)."""
+        by_owner: dict[str, list] = {}
+        for ev in events:
+            by_owner.setdefault(self.owner_of.get(ev.request_id, ""), []).append(ev)
+            if ev.finish_reason is not None:
+                self.owner_of.pop(ev.request_id, None)
+        failed: dict[str, dict] = {}
+        for f in failures:
+            failed.setdefault(f.owner, {})[f.request_id] = (f.message, f.kind)
+            self.owner_of.pop(f.request_id, None)
+        touched = set(by_owner) | set(failed)
+        for owner in touched:
+            box = self.outboxes.get(owner)
+            if box is not None:
+                box.add(by_owner.get(owner, []), failed.get(owner))
+        if touched and self.loop is not None:
+            self.loop.call_soon_threadsafe(self._wake, touched)
+
+    def _wake(self, owners) -> None:
+        for owner in owners:
+            ev = self.waiters.get(owner)
+            if ev is not None:
+                ev.set()
+
+    def _tick(self) -> None:
+        self._stats = self.worker.stats()
+
+    # calls ---------------------------------------------------------------------------------------
+
+    async def ready(self) -> dict:
+        self.loop = asyncio.get_running_loop()
+        if self._sweeper is None:
+            self._sweeper = self.loop.create_task(self._sweep_subscribers())
+        return {"name": self.name, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                "geometry": self.store.geo.describe(), "max_running": self.worker.max_running, "layout_format": self.format}
+
+    def report(self) -> Report:
+        cap = self.store.capacity()
+        w = self.worker
+        return Report(self.name, cap["pages_free"], cap["pages_total"], cap["host_blocks_free"], len(w.running),
+                      len(w.waiting) + len(w.arrivals), len(w.reserved), self.thread.stalled_s(), self._stats)
+
+    async def reserve(self, owner: str, key: str, reserve_tokens: int) -> tuple[bool, Report]:
+        """Hold pages for `key` until its layout arrives (or its lease lapses); False if there is no room now."""
+        self.loop = asyncio.get_running_loop()
+        self.outboxes.setdefault(owner, Outbox())
+        self.last_poll.setdefault(owner, time.monotonic())
+        ok = self.worker.reserve(key, reserve_tokens, owner, lease_s=self.deadlines.reservation_lease_s)
+        if ok:
+            self.owner_of[key] = owner
+            self.thread.wake.set()  # the step thread watches the lease
+        return ok, self.report()
+
+    async def admit(self, h: Handoff, packed) -> float:
+        """A prefilled request for pages reserved earlier; returns once it is queued for the step thread."""
+        from decode.worker import DecodeRequest
+
+        if h.layout_format != self.format:
+            raise HisparseError(f"layout of {h.request_id} has format {h.layout_format!r} but this decode actor reads "
+                                f"{self.format!r}; prefill and decode must serve the same model and dtype")
+        if packed.tensor_bytes != h.layout_bytes:
+            raise HisparseError(f"layout of {h.request_id} arrived with {packed.tensor_bytes} bytes, {h.layout_bytes} were sent")
+        layout = unpack_layout(packed)
+        req = DecodeRequest(h.request_id, layout, h.first_token, h.sampling, h.seed, h.num_generated,
+                            owner=h.owner, solo=h.solo, fault=h.fault)
+        if not self.worker.arrive(req):
+            raise RequestGone(f"decode actor {self.name} no longer holds pages for {h.request_id} (aborted, or its "
+                              f"reservation lapsed after {self.deadlines.reservation_lease_s:.0f} s)")
+        self.thread.wake.set()
+        self.handoffs += 1
+        self.handoff_bytes += h.layout_bytes
+        return time.time()
+
+    async def poll(self, owner: str) -> StepMessage:
+        """Everything new for `owner` since its last poll; waits up to `POLL_INTERVAL_S` for something."""
+        self.loop = asyncio.get_running_loop()
+        self.last_poll[owner] = time.monotonic()
+        box = self.outboxes.setdefault(owner, Outbox())
+        if not box.pending():
+            ev = self.waiters.setdefault(owner, asyncio.Event())
+            ev.clear()
+            try:
+                await asyncio.wait_for(ev.wait(), POLL_INTERVAL_S)
+            except asyncio.TimeoutError:
+                pass
+        self.last_poll[owner] = time.monotonic()
+        return box.take(self.report())
+
+    async def abort(self, keys: list[str]) -> None:
+        """Stop these requests wherever they are (reserved, arriving or running); memory returns at once."""
+        def run() -> None:
+            for k in keys:
+                self.worker.abort(k)
+                self.owner_of.pop(k, None)
+
+        self.thread.call(run)
+
+    async def _sweep_subscribers(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for owner, last in list(self.last_poll.items()):
+                box = self.outboxes.get(owner)
+                silent = now - last > self.deadlines.subscriber_timeout_s
+                if not silent and not (box is not None and box.overflowing):
+                    continue
+                keys = await on_thread(self.thread, lambda o=owner: self.worker.owned_by(o))
+                log.warning("frontend %s stopped collecting its output; dropping it and aborting %d request(s)", owner, len(keys))
+                await self.abort(keys)
+                self.outboxes.pop(owner, None)
+                self.waiters.pop(owner, None)
+                self.last_poll.pop(owner, None)
+                self.dropped_subscribers += 1
+
+    async def stats(self) -> dict:
+        """Worker and tier numbers, read on the step thread between steps."""
+        st = await on_thread(self.thread, self.worker.stats)
+        st.update(name=self.name, integrity_errors=self.integrity_errors, handoffs=self.handoffs,
+                  handoff_bytes=self.handoff_bytes, subscribers=len(self.outboxes), owners=len(self.owner_of),
+                  dropped_subscribers=self.dropped_subscribers, stalled_s=self.thread.stalled_s())
+        return st
+
+    async def check_integrity(self) -> bool:
+        await on_thread(self.thread, self.worker.check_integrity)
+        return True

@@ -1,0 +1,435 @@
+"""A gateway process's client of the cluster: admission, routing, the handoff, output, failover.
+
+Each gateway process runs one `Frontend` with its own id. Per request (`generate`):
+1. capacity first: the decode actor with the most free pages (by its latest report) that fits the
+   request at its final length reserves its pages (`reserve`); with no room anywhere the request waits
+   in one bounded queue until a report shows room, and past `queue_timeout_s` fails with 503 before
+   any token exists;
+2. the least loaded prefill actor prefills it and hands the layout straight to that decode actor
+   (see `cluster.prefill_actor`), returning the first token;
+3. the rest arrives through this frontend's one poll loop per decode actor (`cluster.decode_actor`):
+   each message holds every new token of this frontend's requests on that actor, demultiplexed here
+   into per-request `Collector`s, which merge what is pending for a consumer that lags.
+
+Failures: a lost or hung worker, a failed step or a lapsed reservation fail the attempt; the request
+is prefilled again (prompt + tokens so far, so nothing is lost or repeated and greedy/seeded output is
+unchanged) on another decode actor, at most `max_request_retries` times; a request that was in a failed
+step is run on its own from then on. Every attempt gets a fresh internal key, and every path out of an
+attempt releases what it holds on both sides (reservation, prefill, decode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import ray
+
+from cachetier.geometry import pages_for_request
+from cluster.prefill_actor import ACTOR_GONE
+from cluster.protocol import (
+    DecodeTarget,
+    PrefillOutcome,
+    Report,
+    RetryableFailure,
+    StepFailure,
+    StepMessage,
+    WorkerLost,
+    delta_events,
+    failure_error,
+)
+from core.roles import POLL_INTERVAL_S, DeadlineConfig
+from core.types import (
+    CapacityError,
+    DeadlineExceeded,
+    GenerateRequest,
+    NeverFitsError,
+    PromptLogprob,
+    RequestFailed,
+    TokenEvent,
+    WorkerUnavailable,
+)
+from prefill.worker import PrefillRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Output:
+    """What a request produced since the caller last looked: tokens in order, and once the prompt's scores."""
+
+    events: list[TokenEvent]
+    prompt_logprobs: list[PromptLogprob] | None = None
+
+
+class Collector:
+    """One attempt's output on this side: tokens by index (in order, whatever order they arrive in), or a failure."""
+
+    def __init__(self, key: str, request_id: str, first_index: int) -> None:
+        self.key, self.request_id = key, request_id
+        self.next_index = first_index
+        self.ready: list[TokenEvent] = []
+        self.early: dict[int, TokenEvent] = {}
+        self.error: BaseException | None = None
+        self.wake = asyncio.Event()
+
+    def put(self, events: list[TokenEvent]) -> None:
+        for ev in events:
+            if ev.index < self.next_index:
+                continue  # already delivered
+            self.early[ev.index] = TokenEvent(self.request_id, ev.index, ev.token, ev.finish_reason)
+        self._drain()
+
+    def delivered(self, index: int) -> None:
+        """Tokens before `index` reached the caller another way (the first token comes from prefill)."""
+        self.next_index = max(self.next_index, index)
+        self._drain()
+
+    def _drain(self) -> None:
+        while self.next_index in self.early:
+            self.ready.append(self.early.pop(self.next_index))
+            self.next_index += 1
+        if self.ready:
+            self.wake.set()
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self.wake.set()
+
+    async def take(self, timeout_s: float) -> list[TokenEvent]:
+        """Everything ready (at least one token), or the failure; `DeadlineExceeded` after `timeout_s` of silence."""
+        if not self.ready and self.error is None:
+            self.wake.clear()
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                raise DeadlineExceeded(f"no token for {timeout_s:.0f} s (--token-timeout-s)") from None
+        if self.ready:
+            out, self.ready = self.ready, []
+            return out
+        raise self.error
+
+
+@dataclass
+class Member:
+    """One actor as this frontend sees it."""
+
+    handle: object
+    name: str
+    info: dict
+    alive: bool = True
+    hung: bool = False
+    report: Report | None = None
+    stats: dict = field(default_factory=dict)
+    keys: set[str] = field(default_factory=set)
+    """Keys of this frontend's attempts on the actor (decode: reserved or running; prefill: in prefill)."""
+    load: dict[str, int] = field(default_factory=dict)
+    """Prefill: prompt tokens this frontend has in flight there, per key."""
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the actor dies or hangs (wakes the attempts waiting on it)."""
+
+    @property
+    def usable(self) -> bool:
+        return self.alive and not self.hung
+
+
+class Frontend:
+    def __init__(self, prefill: list[tuple[object, dict]], decode: list[tuple[object, dict]],
+                 deadlines: DeadlineConfig | None = None, frontend_id: str | None = None) -> None:
+        self.id = frontend_id or uuid.uuid4().hex[:12]
+        self.deadlines = deadlines or DeadlineConfig()
+        self.prefill = [Member(h, i["name"], i) for h, i in prefill]
+        self.decode = [Member(h, i["name"], i) for h, i in decode]
+        self.collectors: dict[str, Collector] = {}
+        self.retries = {"prefill": 0, "decode": 0}
+        self.waiting = 0
+        self._room = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._ids = itertools.count()
+
+    # lifecycle -----------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if not self._tasks:
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._poll_decode(m)) for m in self.decode]
+            self._tasks.append(loop.create_task(self._watch_prefill()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        for m in self.decode:
+            if m.keys and m.alive:
+                m.handle.abort.remote(list(m.keys))
+
+    def ready(self) -> bool:
+        return any(m.usable for m in self.decode) and any(m.usable for m in self.prefill)
+
+    def new_request_id(self) -> str:
+        """A server-side request id, unique across this frontend's lifetime (clients' ids are never keys)."""
+        return f"{self.id}-{next(self._ids)}"
+
+    # the poll loops ------------------------------------------------------------------------------
+
+    async def _poll_decode(self, m: Member) -> None:
+        while True:
+            if not m.alive:
+                await self._rejoin(m)
+                continue
+            try:
+                msg = await asyncio.wait_for(_await(m.handle.poll.remote(self.id)), POLL_INTERVAL_S + 30.0)
+            except ACTOR_GONE as e:
+                self._lose(m, f"decode actor {m.name} died ({type(e).__name__})", dead=True)
+                continue
+            except asyncio.TimeoutError:
+                continue  # busy, not dead: its report says whether it is stuck
+            self._deliver(m, msg)
+
+    async def _rejoin(self, m: Member) -> None:
+        """Wait for Ray to restart a dead actor; it rejoins routing once it answers."""
+        try:
+            m.info = await asyncio.wait_for(_await(m.handle.ready.remote()), 10.0)
+        except (*ACTOR_GONE, asyncio.TimeoutError):
+            await asyncio.sleep(0.5)
+            return
+        log.info("%s answers again; it rejoins", m.name)
+        m.alive, m.hung, m.report = True, False, None
+        m.lost = asyncio.Event()
+        self._room.set()
+
+    def _deliver(self, m: Member, msg: StepMessage) -> None:
+        for key, delta in msg.deltas.items():
+            col = self.collectors.get(key)
+            if col is not None:
+                col.put(delta_events(key, delta))
+            if delta[4] is not None:
+                m.keys.discard(key)
+        for key, (message, kind) in msg.failures.items():
+            m.keys.discard(key)
+            col = self.collectors.get(key)
+            if col is not None:
+                col.fail(failure_error(kind, message))
+        before = m.report
+        m.report = msg.report
+        if msg.report is not None:
+            m.stats = msg.report.stats or m.stats
+            hung = msg.report.stalled_s > self.deadlines.step_hang_s
+            if hung and not m.hung:
+                self._lose(m, f"decode actor {m.name} is stuck in one step for {msg.report.stalled_s:.0f} s", dead=False)
+            elif not hung and m.hung:
+                log.info("%s makes progress again; it rejoins", m.name)
+                m.hung = False
+                m.lost = asyncio.Event()
+            if before is None or msg.report.pages_free > before.pages_free or msg.report.running < before.running:
+                self._room.set()
+
+    def _lose(self, m: Member, why: str, dead: bool) -> None:
+        """An actor died or hung: its attempts fail over (a hung one is also told to drop them)."""
+        if dead:
+            m.alive = False
+        else:
+            m.hung = True
+        log.warning("%s; moving %d request(s) of this gateway elsewhere", why, len(m.keys))
+        m.lost.set()
+        keys, m.keys = list(m.keys), set()
+        for key in keys:
+            col = self.collectors.get(key)
+            if col is not None:
+                col.fail(WorkerLost(why))
+        if not dead and keys:
+            m.handle.abort.remote(keys)
+
+    async def _watch_prefill(self) -> None:
+        while True:
+            await asyncio.gather(*(self._refresh_prefill(m) for m in self.prefill), return_exceptions=True)
+            await asyncio.sleep(POLL_INTERVAL_S)
+
+    async def _refresh_prefill(self, m: Member) -> None:
+        if not m.alive:
+            await self._rejoin(m)
+            return
+        try:
+            m.stats = await asyncio.wait_for(_await(m.handle.stats.remote()), 10.0)
+        except ACTOR_GONE:
+            self._lose(m, f"prefill actor {m.name} died", dead=True)
+            return
+        except asyncio.TimeoutError:
+            return
+        hung = m.stats.get("stalled_s", 0.0) > self.deadlines.step_hang_s
+        if hung and not m.hung:
+            self._lose(m, f"prefill actor {m.name} is stuck in one step for {m.stats['stalled_s']:.0f} s", dead=False)
+        elif not hung and m.hung:
+            m.hung = False
+            m.lost = asyncio.Event()
+
+    # admission -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def pages_needed(m: Member, reserve_tokens: int) -> int:
+        g = m.info["geometry"]
+        return pages_for_request(g["group_pages"], g["block_tokens"], reserve_tokens)
+
+    def check_admissible(self, req: GenerateRequest) -> None:
+        """Refuse (400) a request no decode actor could hold even when empty."""
+        reserve = len(req.prompt_token_ids) + req.sampling.max_tokens
+        if req.sampling.max_tokens and self.decode and all(self.pages_needed(m, reserve) > m.info["geometry"]["num_pages"]
+                                                           for m in self.decode):
+            g = self.decode[0].info["geometry"]
+            raise NeverFitsError(
+                f"prompt + max_tokens = {reserve} tokens need {self.pages_needed(self.decode[0], reserve)} KV pages, more "
+                f"than a decode worker holds ({g['num_pages']} pages of {g['block_tokens']} tokens); lower max_tokens or "
+                "shorten the prompt", param="max_tokens")
+
+    def _might_fit(self, m: Member, pages: int) -> bool:
+        r = m.report
+        return r is None or (r.pages_free >= pages and r.running + r.reserved < m.info["geometry"].get("max_running", 1 << 30))
+
+    async def _reserve(self, key: str, reserve_tokens: int, exclude: set[str]) -> Member:
+        """Reserve pages on a decode actor, waiting in the bounded queue for room (503 past the deadline)."""
+        if self.waiting >= self.deadlines.max_queued_requests:
+            raise CapacityError(f"{self.waiting} requests already wait for decode capacity; retry shortly",
+                                retry_after_s=min(self.deadlines.queue_timeout_s, 5.0))
+        deadline = time.monotonic() + self.deadlines.queue_timeout_s
+        self.waiting += 1
+        try:
+            while True:
+                live = [m for m in self.decode if m.usable and m.name not in exclude] or [m for m in self.decode if m.usable]
+                if not live:
+                    raise WorkerUnavailable("no decode actor is alive; requests resume once one restarts")
+                self._room.clear()
+                fits = [m for m in live if self._might_fit(m, self.pages_needed(m, reserve_tokens))]
+                for m in sorted(fits, key=lambda m: -(m.report.pages_free if m.report else 0)):
+                    try:
+                        ok, m.report = await _await(m.handle.reserve.remote(self.id, key, reserve_tokens))
+                    except ACTOR_GONE:
+                        self._lose(m, f"decode actor {m.name} died", dead=True)
+                        continue
+                    if ok:
+                        m.keys.add(key)
+                        return m
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CapacityError(f"no decode actor had room within {self.deadlines.queue_timeout_s:.0f} s "
+                                        "(--queue-timeout-s); retry shortly", retry_after_s=2.0)
+                try:
+                    await asyncio.wait_for(self._room.wait(), min(left, POLL_INTERVAL_S))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self.waiting -= 1
+
+    def _pick_prefill(self) -> Member:
+        live = [m for m in self.prefill if m.usable]
+        if not live:
+            raise WorkerUnavailable("no prefill actor is alive; requests resume once one restarts")
+        return min(live, key=lambda m: sum(m.load.values()) + m.stats.get("queued_tokens", 0))
+
+    async def _run_prefill(self, preq: PrefillRequest, target: DecodeTarget | None) -> PrefillOutcome:
+        m = self._pick_prefill()
+        m.load[preq.request_id] = len(preq.prompt_token_ids) + len(preq.resume_tokens)
+        ref = m.handle.prefill.remote(preq, target)
+        call = asyncio.ensure_future(_await(ref))
+        lost = asyncio.ensure_future(m.lost.wait())
+        try:
+            done, _ = await asyncio.wait({call, lost}, timeout=self.deadlines.prefill_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if call in done:
+                try:
+                    return call.result()
+                except ACTOR_GONE as e:
+                    self._lose(m, f"prefill actor {m.name} died ({type(e).__name__})", dead=True)
+                    raise WorkerLost(f"prefill actor {m.name} was lost") from None
+            ray.cancel(ref)
+            m.handle.abort.remote(preq.request_id)
+            if lost in done:
+                raise WorkerLost(f"prefill actor {m.name} was lost")
+            raise DeadlineExceeded(f"prefill took longer than {self.deadlines.prefill_timeout_s:.0f} s (--prefill-timeout-s)")
+        except asyncio.CancelledError:  # the caller left while the prompt was being prefilled
+            ray.cancel(ref)
+            raise
+        finally:
+            call.cancel()
+            lost.cancel()
+            m.load.pop(preq.request_id, None)
+
+    # a request -----------------------------------------------------------------------------------
+
+    async def generate(self, req: GenerateRequest, seed: int) -> AsyncIterator[Output]:
+        """Output of `req` as it is produced (token 0 comes from prefill, the rest from decode). Closing the
+        iterator early stops the request everywhere."""
+        self.check_admissible(req)
+        sp = req.sampling
+        generated: list[int] = []
+        exclude: set[str] = set()
+        solo, failures = False, 0
+        for attempt in itertools.count():
+            key = f"{req.request_id}.{attempt}"
+            col = self.collectors[key] = Collector(key, req.request_id, len(generated))
+            dm: Member | None = None
+            release = True  # whether the decode side may still hold something of this attempt when it ends
+            try:
+                if sp.max_tokens > 0:
+                    dm = await self._reserve(key, len(req.prompt_token_ids) + sp.max_tokens, exclude)
+                target = DecodeTarget(dm.handle, dm.name, self.id) if dm is not None else None
+                preq = PrefillRequest(key, tuple(req.prompt_token_ids), sp, seed, tuple(generated), solo)
+                out = await self._run_prefill(preq, target)
+                if not generated:
+                    events = [TokenEvent(req.request_id, 0, out.first_token, out.finish_reason)] if out.first_token else []
+                    generated += [e.token.token_id for e in events]
+                    yield Output(events, out.prompt_logprobs)
+                col.delivered(len(generated))
+                if not out.handed_off:
+                    return  # ended by its first token (or nothing to generate): the reservation goes back
+                while True:
+                    events = await col.take(self.deadlines.token_timeout_s)
+                    generated += [e.token.token_id for e in events]
+                    if events[-1].finish_reason is not None:
+                        release = False  # finished on the decode side, which freed it already
+                    yield Output(events)
+                    if not release:
+                        return
+            except RetryableFailure as e:
+                failures += 1
+                solo = solo or isinstance(e, StepFailure)
+                if dm is not None:
+                    exclude.add(dm.name)
+                self.retries["decode" if generated else "prefill"] += 1
+                if failures > self.deadlines.max_request_retries:
+                    cls = WorkerUnavailable if isinstance(e, WorkerLost) else RequestFailed
+                    raise cls(f"the request failed {failures} time(s), more than --max-request-retries "
+                              f"{self.deadlines.max_request_retries} allows; last: {e}") from None
+                log.warning("attempt %s failed (%s); prefilling %d tokens again", key, e, len(req.prompt_token_ids) + len(generated))
+            finally:
+                del self.collectors[key]
+                if dm is not None:
+                    dm.keys.discard(key)
+                    if release and dm.alive:
+                        dm.handle.abort.remote([key])  # frees its reservation, or stops its decoding
+
+    # numbers -------------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        dec = [m.stats for m in self.decode if m.stats]
+        keys = ("running", "waiting", "reserved", "device_bytes_used", "device_bytes_total", "host_bytes_used",
+                "host_bytes_total", "hits", "misses", "bytes_h2d", "failed_steps", "integrity_errors")
+        out = {k: sum(s.get(k, 0) for s in dec) for k in keys}
+        out["handoff_bytes"] = sum(m.stats.get("bytes_sent", 0) for m in self.prefill)
+        out["router_waiting"] = self.waiting
+        out["decode_alive"] = sum(m.usable for m in self.decode)
+        out["prefill_alive"] = sum(m.usable for m in self.prefill)
+        out["retries"] = dict(self.retries)
+        out["prefill_queued_tokens"] = sum(m.stats.get("queued_tokens", 0) for m in self.prefill)
+        out["prefill_progress"] = {rid: p for m in self.prefill for rid, p in m.stats.get("progress", {}).items()}
+        return out
+
+
+async def _await(ref):
+    return await ref

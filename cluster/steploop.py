@@ -1,0 +1,110 @@
+"""The step thread an actor runs its worker on, and how the actor's event loop talks to it.
+
+Each actor owns its worker on one *step thread* that runs steps back to back while there is work and
+sleeps on an event when there is none; the actor's asyncio loop only moves requests in and output out.
+Requests reach the step thread as commands run between steps, so the worker is never touched by two
+threads (except for what it declares thread-safe).
+
+The thread keeps a heartbeat: the time its current step (or command) began. An actor reports how long
+that has been (`stalled_s`), so a step thread that hangs is seen from outside while the actor's event
+loop still answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class StepThread:
+    """Runs `step()` whenever `has_work()`; runs commands between steps; `tick()` about once a second."""
+
+    def __init__(self, name: str, has_work: Callable[[], bool], step: Callable[[], None],
+                 tick: Callable[[], None] | None = None) -> None:
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake = threading.Event()
+        self._has_work, self._step, self._tick = has_work, step, tick
+        self.busy_since: float | None = None
+        self._last_tick = 0.0
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def call(self, fn: Callable[[], Any]) -> None:
+        self.commands.put(fn)
+        self.wake.set()
+
+    def stalled_s(self) -> float:
+        """How long the current step or command has been running (0 when between them)."""
+        since = self.busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def _busy(self, fn: Callable[[], Any]) -> None:
+        self.busy_since = time.monotonic()
+        try:
+            fn()
+        finally:
+            self.busy_since = None
+
+    def _run(self) -> None:
+        while True:
+            while True:
+                try:
+                    fn = self.commands.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    self._busy(fn)
+                except BaseException as e:  # a command reports its own failure through its future
+                    log.exception("command failed: %s", e)
+            now = time.monotonic()
+            if self._tick is not None and now - self._last_tick >= 1.0:
+                self._last_tick = now
+                try:
+                    self._busy(self._tick)
+                except Exception:
+                    log.exception("periodic work of the step thread failed")
+            if self._has_work():
+                try:
+                    self._busy(self._step)
+                except Exception:
+                    log.exception("step failed")
+                continue
+            self.wake.wait(timeout=1.0)
+            self.wake.clear()
+
+
+async def on_thread(thread: StepThread, fn: Callable[[], Any]):
+    """Run `fn` on the step thread between steps and await its result (or its exception)."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def run() -> None:
+        try:
+            value, error = fn(), None
+        except BaseException as e:
+            value, error = None, e
+        resolve(loop, fut, value, error)
+
+    thread.call(run)
+    return await fut
+
+
+def resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value=None, error: BaseException | None = None) -> None:
+    """Complete `fut` from another thread (a no-op if it was cancelled meanwhile)."""
+
+    def done() -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
+
+    loop.call_soon_threadsafe(done)
