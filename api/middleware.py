@@ -63,22 +63,32 @@ class GatewayMiddleware:
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return await self._too_large(rid)(scope, receive, send_with_id)
 
-        seen = 0
+        if scope.get("method") in ("POST", "PUT", "PATCH"):
+            # read the body here (the routes read it whole anyway), so a chunked body that grows too large
+            # is refused with 413 before anything parses it
+            chunks, seen = [], 0
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client left before sending its body
+                chunks.append(message.get("body", b""))
+                seen += len(chunks[-1])
+                if seen > self.max_body_bytes:
+                    return await self._too_large(rid)(scope, receive, send_with_id)
+                if not message.get("more_body", False):
+                    break
+            body, replayed = b"".join(chunks), False
 
-        async def limited_receive():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_body_bytes:  # a chunked body that grows too large: the route's handler answers 413
-                    raise self._too_large_error()
-            return message
+            async def replay():
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()  # after the body: disconnect notices
 
-        await self.app(scope, limited_receive, send_with_id)
-
-    def _too_large_error(self) -> ApiError:
-        return ApiError(413, f"request body larger than {self.max_body_bytes} bytes (--max-body-bytes)",
-                        "invalid_request_error", code="request_too_large")
+            return await self.app(scope, replay, send_with_id)
+        await self.app(scope, receive, send_with_id)
 
     def _too_large(self, rid: str):
-        return self._too_large_error().response(rid)
+        return ApiError(413, f"request body larger than {self.max_body_bytes} bytes (--max-body-bytes)",
+                        "invalid_request_error", code="request_too_large").response(rid)

@@ -186,6 +186,10 @@ class DecodeActor:
                 self.last_poll.pop(owner, None)
                 self.dropped_subscribers += 1
 
+    async def pause_step_thread(self, seconds: float) -> None:
+        """Fault injection (chaos tests and benchmarks): block the step thread for `seconds`, as a hung step would."""
+        self.thread.call(lambda: time.sleep(seconds))
+
     async def stats(self) -> dict:
         """Worker and tier numbers, read on the step thread between steps."""
         st = await on_thread(self.thread, self.worker.stats)

@@ -75,9 +75,18 @@ class PrefillActor:
             self._settle(res.request_id, value=(res, packed))
         for f in self.worker.take_failures():
             self._settle(f.request_id, error=StepFailure(f.message))
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Publish the queue for `stats` (step thread only; read without waiting for a step)."""
         w = self.worker
         self._snapshot = {"queued_tokens": w.queued_tokens(), "pending": len(w.pending), "tokens_in": w.tokens_in,
                           "progress": w.progress()}
+
+    def _abort_now(self, request_id: str) -> None:
+        self.worker.abort(request_id)
+        self.futures.pop(request_id, None)
+        self._refresh()
 
     def _settle(self, rid: str, value=None, error: BaseException | None = None) -> None:
         loop, fut = self.futures.pop(rid, (None, None))
@@ -97,6 +106,7 @@ class PrefillActor:
             try:
                 self.worker.submit(req)
                 self.futures[req.request_id] = (loop, fut)
+                self._refresh()
             except BaseException as e:
                 resolve(loop, fut, error=e)
 
@@ -104,7 +114,7 @@ class PrefillActor:
         try:
             res, packed = await fut
         except asyncio.CancelledError:  # the caller left while the prompt was being prefilled
-            self.thread.call(lambda: (self.worker.abort(req.request_id), self.futures.pop(req.request_id, None)))
+            self.thread.call(lambda: self._abort_now(req.request_id))
             raise
         out = PrefillOutcome(req.request_id, res.first_token, res.finish_reason, res.prompt_logprobs, res.prompt_len, False)
         if res.finish_reason is not None or target is None:
@@ -155,7 +165,7 @@ class PrefillActor:
         return packed
 
     async def abort(self, request_id: str) -> None:
-        self.thread.call(lambda: (self.worker.abort(request_id), self.futures.pop(request_id, None)))
+        self.thread.call(lambda: self._abort_now(request_id))
 
     async def stats(self) -> dict:
         """Queue and progress as of the last step (never waits for a step to end), plus handoffs in flight."""

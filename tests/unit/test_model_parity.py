@@ -171,3 +171,28 @@ def test_layout_pickles_and_reports_bytes(pair):
     assert sizes["hca"] == n_hca * (50 // cfg.hca_rate) * cfg.head_dim * 4
     assert sizes["swa"] == cfg.num_layers * cfg.sliding_window * cfg.head_dim * 4
     assert sizes == again.nbytes()
+
+
+def test_prompt_logprobs_equal_hf_log_softmax(pair):
+    """Prompt scores for echo + logprobs: chunked prefill, the first token without a score, each other token
+    scored by the logits before it (HF's log-softmax of a full forward)."""
+    from core.roles import PrefillConfig
+    from prefill.worker import PrefillRequest, PrefillWorker
+
+    hf, ours = pair
+    ids = _ids(53, ours.cfg.vocab_size, 9)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(ids[None], use_cache=False).logits[0].float(), dim=-1)
+    worker = PrefillWorker(ours, PrefillConfig(max_batch_tokens=16))  # 4 chunks: the scores cross chunk boundaries
+    worker.submit(PrefillRequest("s", tuple(ids.tolist()), SamplingParams(max_tokens=0, prompt_logprobs=3), 0))
+    done = []
+    while worker.has_work():
+        done += worker.step()
+    [res] = done
+    assert res.first_token is None and res.finish_reason == "length"
+    got = res.prompt_logprobs
+    assert [p.token_id for p in got] == ids.tolist() and got[0].logprob is None
+    want = ref[:-1].gather(1, ids[1:, None]).squeeze(1)
+    assert max(abs(p.logprob - w) for p, w in zip(got[1:], want.tolist())) <= 1e-3
+    top = ref[:-1].topk(3, dim=-1)
+    assert [[i for i, _ in p.top_logprobs] for p in got[1:]] == top.indices.tolist()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from core.text import IncrementalDetokenizer
 from core.types import SamplingParams, finish_reason
 from model.sampling import sample
 from model.tokenizer import byte_level_tokenizer, load_tokenizer
@@ -23,19 +22,21 @@ def test_byte_tokenizer_round_trip_and_specials():
 def test_incremental_detokenizer_never_splits_a_character():
     tok = byte_level_tokenizer()
     text = "añb✓c🙂"
-    ids = tok.encode(text, add_bos=False)
-    d = IncrementalDetokenizer(tok.decode)
+    ids = tok.encode(text, add_special_tokens=False)
+    d = tok.detokenizer()
     pieces = [d.push(i) for i in ids]
-    assert "".join(pieces) + d.flush() == text
+    assert "".join(pieces) == text
     assert all("\ufffd" not in p for p in pieces)
+    assert pieces[-4:] == ["", "", "", "🙂"]  # a 4-byte character is text only once its last byte came
 
 
 def test_chat_template_renders_roles():
     tok = byte_level_tokenizer()
     prompt = tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
     assert prompt == "<|system|>be brief\n<|user|>hi\n<|assistant|>"
-    ids = tok.encode(prompt)
-    assert tok.token_id("<|assistant|>") == ids[-1]
+    ids = tok.encode_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    assert tok.token_id("<|assistant|>") == ids[-1] and ids[0] == tok.token_id("<|system|>")  # the template writes the specials
+    assert tok._compiled_template() is tok._compiled_template()  # compiled once
 
 
 def test_tokenizer_json_from_directory(tmp_path):
@@ -47,10 +48,10 @@ def test_tokenizer_json_from_directory(tmp_path):
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"])
     inner.train_from_iterator(["hello world", "hello there", "world peace"] * 50, trainer)
     inner.save(str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": true}')
     tok = load_tokenizer(tmp_path)
     ids = tok.encode("hello world")
-    assert ids[0] == tok.token_id("<s>")
+    assert tok.token_id("<s>") not in ids  # no post-processor: no BOS, whatever tokenizer_config says (as transformers)
     assert tok.decode(ids) == "hello world"
     assert tok.eos_token_ids == (tok.token_id("</s>"),)
     assert load_tokenizer(tmp_path / "missing") is None
