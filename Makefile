@@ -8,6 +8,8 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
+# setuptools' note on every editable install is advice for package authors, not for someone installing
+export PYTHONWARNINGS := ignore:Editable installation
 
 .PHONY: install install-test serve test lint bench clean
 

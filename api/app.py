@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
 
@@ -189,7 +190,7 @@ def build_app(service, cfg: ServerConfig | None = None, manage_service: bool = T
         g = gw(request)
         if g.frontend is None or not g.frontend.ready():
             return JSONResponse({"status": "starting", "detail": "no decode actor is ready"}, status_code=503)
-        return {"status": "ok", "model": g.model_name}
+        return {"status": "ok", "model": g.model_name, "gateway_process": os.getpid()}
 
     @app.get("/metrics")
     async def metrics(request: Request):

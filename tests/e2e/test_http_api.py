@@ -253,3 +253,83 @@ def test_fifty_concurrent_streams(gw):
         assert events[-1]["usage"]["completion_tokens"] == 16
         finals = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
         assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == "length"
+
+
+def test_requests_sharing_a_client_request_id_stay_apart(gw, tiny_model):
+    """The client's X-Request-Id is echoed and logged only: 8 streams sharing one, beside 2 others, each get
+    their own tokens, equal to running alone."""
+    prompts = [[6 + (5 * i + 3 * j) % 240 for j in range(20 + 3 * i)] for i in range(10)]
+    headers = ["same-id"] * 8 + ["other-1", "other-2"]
+
+    async def one(client, i):
+        body = {"prompt": prompts[i], "max_tokens": 12, "temperature": 0, "stream": True, "ignore_eos": True, "logprobs": 0}
+        async with client.stream("POST", gw.url + "/v1/completions", json=body, headers={"X-Request-Id": headers[i]}) as r:
+            assert r.headers["x-request-id"] == headers[i]
+            chunks = [json.loads(line[6:]) for line in [ln async for ln in r.aiter_lines()]
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        return [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(10)))
+
+    got = asyncio.run(main())
+    tok = gw.service.tokenizer
+    for i, toks in enumerate(got):
+        ref = _plain(tiny_model, prompts[i], 12, ignore_eos=True)
+        assert toks == [tok.decode([t], skip_special=False) for t in ref.token_ids], i
+
+
+def test_loglikelihood_request_scores_the_prompt_like_the_model(gw, tiny_model):
+    """What lm-eval's multiple-choice tasks send: echo + logprobs + max_tokens 1 (and 0: scoring only)."""
+    import torch
+
+    text = "import os\nimport sys\n"
+    ids = gw.service.tokenizer.encode(text)
+    with torch.no_grad():
+        full, _ = tiny_model.prefill(ids)
+    ref = torch.log_softmax(full.float(), dim=-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist()
+    for max_tokens in (1, 0):
+        r = _post(gw, "/v1/completions", {"prompt": text, "max_tokens": max_tokens, "echo": True, "logprobs": 1,
+                                          "temperature": 0})
+        assert r.status_code == 200, r.text
+        lp = r.json()["choices"][0]["logprobs"]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        scores = lp["token_logprobs"][1 : len(ids)]
+        assert max(abs(a - b) for a, b in zip(scores, ref)) <= 1e-3
+        assert len(lp["tokens"]) == len(ids) + max_tokens
+        assert r.json()["choices"][0]["text"].startswith(text)
+
+
+def test_tokenize_counts_what_transformers_counts(gw):
+    from transformers import AutoTokenizer
+
+    from model.builtin import SHIPPED
+
+    hf = AutoTokenizer.from_pretrained(str(SHIPPED))
+    text = "def count(xs):\n    return len(xs)  # ✓"
+    r = _post(gw, "/tokenize", {"prompt": text}).json()
+    assert r["tokens"] == hf(text).input_ids and r["count"] == len(hf(text).input_ids)
+    assert _post(gw, "/detokenize", {"tokens": r["tokens"]}).json()["prompt"] == text
+
+
+def test_non_streaming_client_that_leaves_is_aborted(gw):
+    import socket
+
+    body = json.dumps({"prompt": [9] * 40, "max_tokens": 5000, "ignore_eos": True}).encode()
+    host, port = gw.url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+              + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _metric(httpx.get(gw.url + "/metrics").text, "hisparse_requests_running") == 0:
+        time.sleep(0.2)
+    s.close()  # gone before the answer
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        st = [ray.get(d.stats.remote()) for d in gw.service.actors.decode]
+        if all(x["running"] == 0 and x["device_bytes_used"] == 0 for x in st):
+            break
+        time.sleep(0.3)
+    else:
+        raise AssertionError(f"the request kept decoding after its client left: {st}")

@@ -15,6 +15,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
@@ -145,10 +146,14 @@ def _check_run(res: dict, num: int, output_len: int, input_len: int | None) -> N
         assert res["total_input_tokens"] == num * input_len
     assert all(len(itls) == output_len - 1 for itls in res["itls_s"])
     assert all(e is None for e in res["errors"])
+    raw = {"ttft": res["ttfts_s"], "e2el": res["e2els_s"], "itl": [g for gaps in res["itls_s"] for g in gaps]}
     for name in ("ttft", "tpot", "itl", "e2el"):
         assert 0 <= res[f"p50_{name}_ms"] <= res[f"p99_{name}_ms"]
         assert res[f"median_{name}_ms"] == res[f"p50_{name}_ms"]
-        assert res[f"mean_{name}_ms"] >= 0 and res[f"std_{name}_ms"] >= 0
+        if name in raw:  # the summary is the statistics of the per-request figures it also reports
+            ms = np.asarray(raw[name], dtype=np.float64) * 1000
+            assert res[f"mean_{name}_ms"] == pytest.approx(ms.mean(), abs=0.01)
+            assert res[f"std_{name}_ms"] == pytest.approx(ms.std(), abs=0.01)
     assert all(0 < t <= e for t, e in zip(res["ttfts_s"], res["e2els_s"]))
     assert res["duration_s"] > 0 and res["request_throughput"] > 0 and res["output_throughput"] > 0
     assert res["total_token_throughput"] >= res["output_throughput"]

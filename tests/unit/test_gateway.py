@@ -276,3 +276,47 @@ def test_streaming_text_never_re_decodes_the_whole_output(tok, monkeypatch):
     evs = asyncio.run(_with_app(ScriptedFrontend(ids), go))
     assert "".join(e["choices"][0]["text"] for e in evs if e != "[DONE]") == real_decode(ids)
     assert all(n <= 1 for n in calls)  # at most the prompt echo / single tokens, never a growing list
+
+
+class StallingFrontend(ScriptedFrontend):
+    """Sends the first token, then the stream goes silent past its deadline."""
+
+    async def generate(self, req, seed):
+        from core.types import DeadlineExceeded
+
+        yield Output([TokenEvent(req.request_id, 0, SampledToken(40))])
+        raise DeadlineExceeded("no token for 60 s (--token-timeout-s)")
+
+
+def test_a_silent_stream_ends_with_an_error_event_not_a_hang():
+    async def go(client):
+        s = await client.post("/v1/completions", json={"prompt": [5], "max_tokens": 9, "stream": True})
+        n = await client.post("/v1/completions", json={"prompt": [5], "max_tokens": 9})
+        return _events(s.text), n
+
+    evs, n = asyncio.run(_with_app(StallingFrontend([]), go))
+    assert evs[-1] == "[DONE]" and evs[-2]["error"]["type"] == "timeout" and "--token-timeout-s" in evs[-2]["error"]["message"]
+    assert n.status_code == 504 and n.json()["error"]["type"] == "timeout"
+
+
+def test_collector_delivers_in_order_and_merges_what_is_pending():
+    from cluster.frontend import Collector
+    from core.types import DeadlineExceeded
+
+    def ev(i, reason=None):
+        return TokenEvent("key", i, SampledToken(100 + i), reason)
+
+    async def go():
+        c = Collector("key.0", "req", 0)
+        c.put([ev(2), ev(3)])  # decode's tokens can arrive before prefill's first one is handed over
+        with pytest.raises(DeadlineExceeded):
+            await c.take(0.05)
+        c.delivered(1)
+        c.put([ev(1), ev(2)])  # a duplicate of 2 is dropped
+        got = await c.take(1.0)
+        c.put([ev(4, "length")])
+        return got, await c.take(1.0)
+
+    got, last = asyncio.run(go())
+    assert [e.index for e in got] == [1, 2, 3] and all(e.request_id == "req" for e in got)
+    assert [(e.index, e.finish_reason) for e in last] == [(4, "length")]

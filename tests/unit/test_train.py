@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import replace
 
 import torch
@@ -27,7 +29,7 @@ def test_training_forward_matches_inference_prefill(tiny_model):
         logits, kl = train_forward(tiny_model, ids, sparse=True)
     ref, _ = tiny_model.prefill(ids[0])
     assert (logits[0] - ref).abs().max().item() < 1e-4
-    assert kl.item() >= 0
+    assert torch.isfinite(kl) and kl.item() > 1e-6  # the trained indexer is not the attention's distribution exactly
 
 
 def test_loss_goes_down_in_a_few_steps():
@@ -45,4 +47,4 @@ def test_loss_goes_down_in_a_few_steps():
     assert [h["phase"] for h in history] == ["dense", "sparse", "sparse"]
     assert history[-1]["lm_loss"] < history[0]["lm_loss"]
     assert after < before
-    assert all(h["indexer_kl"] >= 0 for h in history)
+    assert all(math.isfinite(h["indexer_kl"]) and h["indexer_kl"] > 0 for h in history)  # a random indexer disagrees
