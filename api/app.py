@@ -24,6 +24,7 @@ from api.errors import bad_request
 from api.gateway import (
     DONE,
     ChatFormat,
+    ChunkEncoder,
     CompletionFormat,
     Gateway,
     Job,
@@ -61,9 +62,11 @@ async def _until_disconnect(request: Request) -> None:
             return
 
 
-async def respond(g: Gateway, request: Request, jobs: list[Job], stops: list[str], prompt_tokens: int, stream: bool,
-                  include_usage: bool, fmt):
+async def respond(g: Gateway, request: Request, jobs: list[Job], stops: list[str], prompt_tokens: int, body, fmt):
     """Run the choices and answer in one JSON body or as an SSE stream, in the endpoint's format."""
+    stream = body.stream
+    include_usage = bool(stream and body.stream_options and body.stream_options.include_usage)
+    running_usage = bool(stream and body.stream_options and body.stream_options.continuous_usage_stats)
     release = g.acquire()  # 429 here, before anything is sent
     rid = request.state.request_id
     created, cid, clock = int(time.time()), f"{fmt.id_prefix}-{rid}", RequestClock()
@@ -91,6 +94,7 @@ async def respond(g: Gateway, request: Request, jobs: list[Job], stops: list[str
 
     async def events():
         head = {"id": cid, "object": fmt.chunk_object, "created": created, "model": g.model_name}
+        chunk = ChunkEncoder(head)
         reasons, completion_tokens, offsets = {}, 0, {j.index: len(j.echo) for j in jobs}
         interval = max(1, g.cfg.stream_interval)
         held: dict[int, tuple[str, list]] = {}  # choice -> (text, tokens) waiting for the stream interval
@@ -101,14 +105,14 @@ async def respond(g: Gateway, request: Request, jobs: list[Job], stops: list[str
                     opened.add(j.index)
                     opening = fmt.opening(j)
                     if opening is not None:
-                        yield sse({**head, "choices": [opening]})
+                        yield chunk(opening)
             async for item in g.merged(jobs, stops, clock):
                 if isinstance(item, Exception):
                     raise item
                 j, piece, reason = item
                 if j.index not in opened:  # the prompt's scores came with the choice's first output
                     opened.add(j.index)
-                    yield sse({**head, "choices": [fmt.opening(j)]})
+                    yield chunk(fmt.opening(j))
                 completion_tokens += len(piece.tokens)
                 reasons[j.index] = reason
                 text, toks = piece.text, piece.tokens
@@ -119,7 +123,8 @@ async def respond(g: Gateway, request: Request, jobs: list[Job], stops: list[str
                     held[j.index] = (text, toks)  # the first and the last chunk never wait
                     continue
                 started.add(j.index)
-                yield sse({**head, "choices": [fmt.chunk(j, Piece(text, toks), reason, offsets[j.index])]})
+                yield chunk(fmt.chunk(j, Piece(text, toks), reason, offsets[j.index]),
+                            usage(prompt_tokens, completion_tokens) if running_usage else None)
                 offsets[j.index] += len(text)
         except Exception as e:
             yield sse(g.failed(e).body())
@@ -217,7 +222,7 @@ def build_app(service, cfg: ServerConfig | None = None, manage_service: bool = T
         jobs = g.jobs(prompts, samplings, body.n, [t if body.echo else "" for t in texts])
         prompt_tokens = sum(len(p) for p in prompts)
         fmt = CompletionFormat(g.tok, body.logprobs is not None)
-        return await respond(g, request, jobs, stops, prompt_tokens, body.stream, _usage_wanted(body), fmt)
+        return await respond(g, request, jobs, stops, prompt_tokens, body, fmt)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
@@ -235,7 +240,7 @@ def build_app(service, cfg: ServerConfig | None = None, manage_service: bool = T
         stops = g.stops(body.stop)
         jobs = g.jobs([ids], [sp], body.n, [""])
         fmt = ChatFormat(g.tok, logprobs is not None)
-        return await respond(g, request, jobs, stops, len(ids), body.stream, _usage_wanted(body), fmt)
+        return await respond(g, request, jobs, stops, len(ids), body, fmt)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
@@ -271,6 +276,3 @@ async def _chat_ids(g: Gateway, messages) -> list[int]:
     except ValueError as e:  # the template failed on these messages (the tokenizer's error says how)
         raise bad_request(str(e), "messages") from None
 
-
-def _usage_wanted(body) -> bool:
-    return bool(body.stream and body.stream_options and body.stream_options.include_usage)

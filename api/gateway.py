@@ -182,11 +182,10 @@ class Gateway:
                     job.prompt_logprobs = out.prompt_logprobs
                 if not out.events:
                     continue
-                clock.tokens(self.metrics, self.model_name, len(out.events))
-                pieces = [ts.push(ev.token) for ev in out.events]
-                text = "".join(p.text for p in pieces)
-                toks = [t for p in pieces for t in p.tokens]
-                if pieces[-1].stopped:
+                clock.tokens(self.metrics, len(out.events))
+                piece = ts.push_many([ev.token for ev in out.events])
+                text, toks = piece.text, piece.tokens
+                if piece.stopped:
                     yield Piece(text, toks), "stop"
                     return
                 reason = out.events[-1].finish_reason
@@ -243,8 +242,8 @@ class Gateway:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     def finished(self, clock: RequestClock, reasons: list[str | None], prompt_tokens: int) -> None:
-        self.metrics.e2e.labels(self.model_name).observe(time.perf_counter() - clock.t0)
-        self.metrics.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
+        self.metrics.e2e_m.observe(time.perf_counter() - clock.t0)
+        self.metrics.prompt_tokens_m.inc(prompt_tokens)
         for r in reasons:
             self.metrics.requests.labels(self.model_name, r or "abort").inc()
 
@@ -261,15 +260,15 @@ class RequestClock:
         self.t0 = time.perf_counter()
         self.last: float | None = None
 
-    def tokens(self, metrics: Metrics, model: str, n: int) -> None:
+    def tokens(self, metrics: Metrics, n: int) -> None:
         now = time.perf_counter()
-        metrics.generation_tokens.labels(model).inc(n)
+        metrics.generation_tokens_m.inc(n)
         if self.last is None:
-            metrics.ttft.labels(model).observe(now - self.t0)
+            metrics.ttft_m.observe(now - self.t0)
         else:
             gap = (now - self.last) / n  # a batch of n tokens: the gap is shared among them
             for _ in range(n):
-                metrics.itl.labels(model).observe(gap)
+                metrics.itl_m.observe(gap)
         self.last = now
 
 
@@ -278,6 +277,18 @@ def sse(obj) -> bytes:
 
 
 DONE = b"data: [DONE]\n\n"
+
+
+class ChunkEncoder:
+    """SSE chunks of one response: the fields every chunk repeats are encoded once; per chunk only the
+    choice (and the running usage, when asked) is."""
+
+    def __init__(self, head: dict) -> None:
+        self.prefix = b"data: " + orjson.dumps(head)[:-1] + b',"choices":['
+
+    def __call__(self, choice: dict, running_usage: dict | None = None) -> bytes:
+        tail = b"]}\n\n" if running_usage is None else b'],"usage":' + orjson.dumps(running_usage) + b"}\n\n"
+        return self.prefix + orjson.dumps(choice) + tail
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

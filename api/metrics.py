@@ -83,6 +83,9 @@ class Metrics:
                               registry=self.registry)
         self.cluster = _ClusterCollector(model, cluster_stats)
         self.registry.register(self.cluster)
+        # the children of the one model label, bound once: the per-token path never looks labels up
+        self.ttft_m, self.itl_m, self.e2e_m = self.ttft.labels(model), self.itl.labels(model), self.e2e.labels(model)
+        self.prompt_tokens_m, self.generation_tokens_m = self.prompt_tokens.labels(model), self.generation_tokens.labels(model)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's extension: every chunk carries the usage so far (clients count tokens of merged chunks)."""
 
 
 class _Sampling(BaseModel):

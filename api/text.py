@@ -34,6 +34,22 @@ class TextStream:
         self.pending_tokens: list[SampledToken] = []
         self.stopped = False
 
+    def push_many(self, tokens: list[SampledToken]) -> Piece:
+        """`push` for a batch of tokens, as one piece."""
+        if not self.stops and not self.stopped:  # nothing can be held back: decode straight through
+            if self.detok is None:
+                return Piece("", list(tokens))
+            self.pending_tokens.extend(tokens)
+            return self._flush_tokens("".join([self.detok.push(t.token_id) for t in tokens]))
+        texts, toks = [], []
+        for t in tokens:
+            piece = self.push(t)
+            texts.append(piece.text)
+            toks += piece.tokens
+            if piece.stopped:
+                return Piece("".join(texts), toks, True)
+        return Piece("".join(texts), toks)
+
     def push(self, token: SampledToken) -> Piece:
         if self.stopped:
             return Piece("", [], True)

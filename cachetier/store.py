@@ -13,6 +13,7 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from cachetier.batch import INDEX, MAIN, DecodeKV, LayoutBatch, Segment
@@ -432,6 +433,12 @@ class TieredStore(KVStore):
             self.host.close()
 
 
+def _table(rows: list[list[int]], width: int, device) -> torch.Tensor:
+    """[len(rows), width] int64 from ragged rows padded with 0, built from one flat list (nested lists convert slowly)."""
+    flat = [x for r in rows for x in (r + [0] * (width - len(r)) if len(r) < width else r)]
+    return torch.from_numpy(np.array(flat, dtype=np.int64)).view(len(rows), width).to(device)
+
+
 class TieredBatch(DecodeKV):
     """One decode step's view of the tiered store for a batch of residents."""
 
@@ -443,13 +450,10 @@ class TieredBatch(DecodeKV):
         self.groups = torch.tensor([r.group for r in residents], dtype=torch.long, device=dev)
         self.gbase = store.group_base(self.groups)
         nb = max(len(r.blocks) for r in residents)
-        self.blocks = torch.full((len(residents), nb), 0, dtype=torch.long, device=dev)
-        for b, r in enumerate(residents):
-            self.blocks[b, : len(r.blocks)] = r.blocks_t
+        # one host-to-device copy per table, padded with block 0 (never read past a request's own blocks)
+        self.blocks = _table([r.blocks for r in residents], nb, dev)
         if store.host_alloc is not None:  # on the device: resolve reads it there without a host sync
-            self.host_blocks = torch.zeros(len(residents), nb, dtype=torch.long, device=dev)
-            for b, r in enumerate(residents):
-                self.host_blocks[b, : len(r.host_blocks)] = r.host_blocks_t.to(dev)
+            self.host_blocks = _table([r.host_blocks for r in residents], nb, dev)
         self.arange_b = torch.arange(len(residents), device=dev)
 
     # state ---------------------------------------------------------------------------------------

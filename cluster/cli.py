@@ -77,10 +77,16 @@ def serve_config(args: argparse.Namespace):
 
     from core.roles import ClusterConfig, DeadlineConfig, PrefillConfig, ServeConfig, ServerConfig
 
+    stub = None
+    if args.stub_step_ms is not None:
+        from core.roles import StubConfig
+
+        stub = StubConfig(decode_step_s=args.stub_step_ms / 1000, prefill_s=(args.stub_prefill_ms or 0.0) / 1000)
     return ServeConfig(
         model=args.model,
         tier=tier_config(args),
         prefill=PrefillConfig(max_batch_tokens=args.max_batch_tokens),
+        stub=stub,
         cluster=ClusterConfig(
             address=args.address, num_prefill=args.num_prefill, num_decode=args.num_decode,
             prefill_num_cpus=args.prefill_num_cpus, decode_num_cpus=args.decode_num_cpus,
@@ -154,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode actors drop a gateway that stopped collecting output for this long (default 30)")
     d.add_argument("--step-hang-s", type=float, default=120.0,
                    help="a step thread stuck in one step this long is taken out of routing (default 120)")
+    b = s.add_argument_group("benchmark mode (measures the serving path alone; not for serving a model)")
+    b.add_argument("--stub-step-ms", type=float, default=None,
+                   help="replace each decode step by a sleep of this many ms yielding one token per request")
+    b.add_argument("--stub-prefill-ms", type=float, default=None, help="with --stub-step-ms: each prefill step sleeps this long")
     c = s.add_argument_group("cluster")
     c.add_argument("--address", default=None,
                    help="Ray cluster to join (auto, host:6379); omitted: start an embedded local Ray instance")

@@ -79,10 +79,15 @@ class Collector:
         self.wake = asyncio.Event()
 
     def put(self, events: list[TokenEvent]) -> None:
+        """Events of this request (indices consecutive), in whatever order batches arrive."""
+        if events and events[0].index == self.next_index and not self.early:  # the usual case: next in line
+            self.ready += events
+            self.next_index += len(events)
+            self.wake.set()
+            return
         for ev in events:
-            if ev.index < self.next_index:
-                continue  # already delivered
-            self.early[ev.index] = TokenEvent(self.request_id, ev.index, ev.token, ev.finish_reason)
+            if ev.index >= self.next_index:  # below it: already delivered
+                self.early[ev.index] = ev
         self._drain()
 
     def delivered(self, index: int) -> None:
@@ -106,10 +111,13 @@ class Collector:
         """Everything ready (at least one token), or the failure; `DeadlineExceeded` after `timeout_s` of silence."""
         if not self.ready and self.error is None:
             self.wake.clear()
+            timer = asyncio.get_running_loop().call_later(timeout_s, self.wake.set)  # cheaper than wait_for's task
             try:
-                await asyncio.wait_for(self.wake.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                raise DeadlineExceeded(f"no token for {timeout_s:.0f} s (--token-timeout-s)") from None
+                await self.wake.wait()
+            finally:
+                timer.cancel()
+            if not self.ready and self.error is None:
+                raise DeadlineExceeded(f"no token for {timeout_s:.0f} s (--token-timeout-s)")
         if self.ready:
             out, self.ready = self.ready, []
             return out
@@ -209,7 +217,7 @@ class Frontend:
         for key, delta in msg.deltas.items():
             col = self.collectors.get(key)
             if col is not None:
-                col.put(delta_events(key, delta))
+                col.put(delta_events(col.request_id, delta))
             if delta[4] is not None:
                 m.keys.discard(key)
         for key, (message, kind) in msg.failures.items():

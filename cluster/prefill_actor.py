@@ -21,30 +21,35 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from cachetier.layout import layout_format, pack_layout
 from cluster.protocol import COLLECTIVE_TRANSPORTS, DecodeTarget, Handoff, PrefillOutcome, StepFailure, WorkerLost
 from cluster.steploop import StepThread, resolve
-from core.roles import DeadlineConfig, FaultConfig, PrefillConfig
+from core.roles import DeadlineConfig, FaultConfig, PrefillConfig, StubConfig
 from core.types import DeadlineExceeded, HisparseError
 
 log = logging.getLogger(__name__)
 ACTOR_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
-def load_model_for_actor(model_spec: str, num_threads: int):
+def load_model_for_actor(model_spec: str, num_threads: int, stub: StubConfig | None = None):
     import torch
 
     from model.builtin import resolve_model_dir
     from model.loader import load_model
 
     torch.set_num_threads(max(1, num_threads))
-    return load_model(resolve_model_dir(model_spec))
+    model = load_model(resolve_model_dir(model_spec))
+    if stub is not None:
+        from model.stub import StubModel
+
+        return StubModel(model, stub)
+    return model
 
 
 class PrefillActor:
     def __init__(self, model_spec: str, config: PrefillConfig, name: str, num_threads: int = 1,
                  eos_ids: tuple[int, ...] | None = None, deadlines: DeadlineConfig | None = None,
-                 transport: str = "object_store", faults: FaultConfig | None = None) -> None:
+                 transport: str = "object_store", faults: FaultConfig | None = None, stub: StubConfig | None = None) -> None:
         from prefill.worker import PrefillWorker
 
-        model = load_model_for_actor(model_spec, num_threads)
+        model = load_model_for_actor(model_spec, num_threads, stub)
         self.name = name
         self.config = config
         self.deadlines = deadlines or DeadlineConfig()

@@ -131,15 +131,14 @@ class StepMessage:
         return not self.deltas and not self.failures
 
 
-def delta_events(key: str, delta: list) -> list[TokenEvent]:
-    """The token events one delta holds."""
+def delta_events(request_id: str, delta: list) -> list[TokenEvent]:
+    """The token events one delta holds, as `request_id`'s."""
     first, ids, lps, tops, reason = delta
-    n = len(ids)
-    out = []
-    for i, tok in enumerate(ids):
-        st = SampledToken(tok, lps[i] if lps is not None else None, tops[i] if tops is not None else ())
-        out.append(TokenEvent(key, first + i, st, reason if i == n - 1 else None))
-    return out
+    last = len(ids) - 1
+    if lps is None:
+        return [TokenEvent(request_id, first + i, SampledToken(tok), reason if i == last else None) for i, tok in enumerate(ids)]
+    return [TokenEvent(request_id, first + i, SampledToken(tok, lps[i], tops[i]), reason if i == last else None)
+            for i, tok in enumerate(ids)]
 
 
 class Outbox:

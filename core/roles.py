@@ -158,6 +158,16 @@ POLL_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
+class StubConfig:
+    """Benchmark mode: the model's steps are replaced by sleeps, to measure the serving path alone."""
+
+    decode_step_s: float = 0.02
+    """A decode step: sleeps this long (releasing the GIL) and yields one token per running request."""
+    prefill_s: float = 0.005
+    """A prefill step: sleeps this long; every request's layout is a real one of its prompt length."""
+
+
+@dataclass(frozen=True)
 class FaultConfig:
     """Faults injected on purpose, for chaos tests and benchmarks; everything is off by default."""
 
@@ -189,3 +199,5 @@ class ServeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
+    stub: StubConfig | None = None
+    """Benchmark mode (`bench.serving_path`): stand-in model steps; None serves the model."""

@@ -38,29 +38,33 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], indices: Sequence[int]
 ) -> list[SampledToken]:
-    """logits [batch, vocab] -> one token per row; `indices[i]` is the index of the token being generated."""
+    """logits [batch, vocab] -> one token per row; `indices[i]` is the index of the token being generated.
+
+    Batched where rows agree (one argmax for the greedy ones, one log-softmax and top-k over just the rows
+    that asked for logprobs); only seeded sampling draws row by row.
+    """
     logits = logits.float()
-    greedy = logits.argmax(dim=-1).tolist()
-    logprobs = None
-    if any(p.logprobs is not None for p in params):
-        logprobs = torch.log_softmax(logits, dim=-1)
-    out = []
+    tokens = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
-        if p.greedy:
-            tok = greedy[i]
-        else:
+        if not p.greedy:
             x = _filter(logits[i], p)
             gen = torch.Generator(device="cpu").manual_seed(draw_seed(seeds[i], indices[i]))
             u = torch.rand(x.shape, generator=gen, dtype=torch.float64).clamp_(min=1e-300)
             gumbel = -torch.log(-torch.log(u))
-            tok = int(torch.argmax(x.double().cpu() + gumbel))
-        if p.logprobs is None:
-            out.append(SampledToken(tok))
-            continue
-        row = logprobs[i]
-        top = ()
-        if p.logprobs:
-            vals, ids = torch.topk(row, min(p.logprobs, row.numel()))
-            top = tuple(zip(ids.tolist(), vals.tolist()))
-        out.append(SampledToken(tok, float(row[tok]), top))
+            tokens[i] = int(torch.argmax(x.double().cpu() + gumbel))
+    out = [SampledToken(t) for t in tokens]
+    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if wanted:
+        rows = torch.tensor(wanted, device=logits.device)
+        lp = torch.log_softmax(logits[rows], dim=-1)  # [wanted, vocab]
+        chosen = lp.gather(1, torch.tensor([tokens[i] for i in wanted], device=lp.device)[:, None]).squeeze(1).tolist()
+        k = max(params[i].logprobs for i in wanted)
+        top_ids, top_vals = ([], [])
+        if k:
+            vals, ids = torch.topk(lp, min(k, lp.shape[1]), dim=-1)
+            top_ids, top_vals = ids.tolist(), vals.tolist()
+        for j, i in enumerate(wanted):
+            n = params[i].logprobs
+            top = tuple(zip(top_ids[j][:n], top_vals[j][:n])) if n else ()
+            out[i] = SampledToken(tokens[i], chosen[j], top)
     return out

@@ -304,7 +304,7 @@ def test_collector_delivers_in_order_and_merges_what_is_pending():
     from core.types import DeadlineExceeded
 
     def ev(i, reason=None):
-        return TokenEvent("key", i, SampledToken(100 + i), reason)
+        return TokenEvent("req", i, SampledToken(100 + i), reason)
 
     async def go():
         c = Collector("key.0", "req", 0)
