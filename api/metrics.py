@@ -49,6 +49,14 @@ class _ClusterCollector:
         yield gauge("hisparse_decode_actors_alive", "Decode actors answering", s.get("decode_alive", 0))
         yield gauge("hisparse_prefill_actors_alive", "Prefill actors answering", s.get("prefill_alive", 0))
         yield gauge("hisparse_integrity_errors", "Failed idle integrity checks on decode actors", s.get("integrity_errors", 0))
+        yield gauge("hisparse_integrity_checks", "Idle integrity checks passed or failed on decode actors",
+                    s.get("integrity_checks", 0))
+        yield gauge("hisparse_prefill_held_layouts", "Layouts prefill actors are handing over right now", s.get("held_layouts", 0))
+        tables = GaugeMetricFamily("hisparse_table_entries", "Per-request bookkeeping entries (zero when idle)",
+                                   labels=["model", "table"])
+        for name, n in (s.get("tables") or {}).items():
+            tables.add_metric([self.model, name], float(n))
+        yield tables
         yield counter("hisparse_failed_steps", "Decode steps that raised (their requests were prefilled again)",
                       s.get("failed_steps", 0))
         retries = CounterMetricFamily("hisparse_request_retries", "Attempts prefilled again after a failure, by stage",

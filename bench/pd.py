@@ -4,7 +4,8 @@
 
 Reports time to first token (mean/median/p99), output tokens/s and end-to-end time for N concurrent
 requests, PD split (1 prefill + 1 decode actor on an embedded local Ray) next to one process running
-both workers, and the handoff bytes and time per request.
+both workers, and the handoff bytes and time per request (from the packed layout to the decode actor's
+acknowledgement, as the prefill actor measures it).
 """
 
 from __future__ import annotations
@@ -70,12 +71,12 @@ def pd_split(reqs: list[GenerateRequest], tier: TierConfig, prefill: PrefillConf
                 n += 1
             return n
 
+        svc.frontend.handoffs.clear()
         counts = await asyncio.gather(*(one(r) for r in reqs))
         total = time.perf_counter() - t0
-        records = await asyncio.gather(*(svc.actors.decode[0].handoff_record.remote(r.request_id) for r in reqs))
         out = _summary(list(first.values()), total, sum(counts))
-        sizes = [rec["bytes"] for rec in records]
-        times = [rec["seconds"] for rec in records]
+        sizes = [b for b, _ in svc.frontend.handoffs]
+        times = [s for _, s in svc.frontend.handoffs]
         out.update(handoff_bytes_per_request_mean=round(statistics.mean(sizes)), handoff_bytes_total=sum(sizes),
                    **latency_stats("handoff", times, (50.0, 99.0)))
         await svc.stop(shutdown_ray=True)

@@ -99,7 +99,15 @@ class DecodeActor:
                 ev.set()
 
     def _tick(self) -> None:
-        self._stats = self.worker.stats()
+        self._stats = self._full_stats()
+
+    def _full_stats(self) -> dict:
+        """Worker, tier and actor numbers (step thread only)."""
+        st = self.worker.stats()
+        st.update(name=self.name, integrity_errors=self.integrity_errors, handoffs=self.handoffs,
+                  handoff_bytes=self.handoff_bytes, subscribers=len(self.outboxes), owners=len(self.owner_of),
+                  dropped_subscribers=self.dropped_subscribers, stalled_s=self.thread.stalled_s())
+        return st
 
     # calls ---------------------------------------------------------------------------------------
 
@@ -193,12 +201,8 @@ class DecodeActor:
         self.thread.call(lambda: time.sleep(seconds))
 
     async def stats(self) -> dict:
-        """Worker and tier numbers, read on the step thread between steps."""
-        st = await on_thread(self.thread, self.worker.stats)
-        st.update(name=self.name, integrity_errors=self.integrity_errors, handoffs=self.handoffs,
-                  handoff_bytes=self.handoff_bytes, subscribers=len(self.outboxes), owners=len(self.owner_of),
-                  dropped_subscribers=self.dropped_subscribers, stalled_s=self.thread.stalled_s())
-        return st
+        """Worker, tier and actor numbers, read on the step thread between steps."""
+        return await on_thread(self.thread, self._full_stats)
 
     async def check_integrity(self) -> bool:
         await on_thread(self.thread, self.worker.check_integrity)

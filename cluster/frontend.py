@@ -25,6 +25,7 @@ import itertools
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -156,6 +157,8 @@ class Frontend:
         self.decode = [Member(h, i["name"], i) for h, i in decode]
         self.collectors: dict[str, Collector] = {}
         self.retries = {"prefill": 0, "decode": 0}
+        self.handoffs: deque[tuple[int, float]] = deque(maxlen=10_000)
+        """(layout bytes, seconds) of recent handoffs, as the prefill actors measured them."""
         self.waiting = 0
         self._room = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -211,7 +214,7 @@ class Frontend:
         log.info("%s answers again; it rejoins", m.name)
         m.alive, m.hung, m.report = True, False, None
         m.lost = asyncio.Event()
-        self._room.set()
+        self._room.set()  # requests waiting for a live actor go on
 
     def _deliver(self, m: Member, msg: StepMessage) -> None:
         for key, delta in msg.deltas.items():
@@ -310,8 +313,6 @@ class Frontend:
         try:
             while True:
                 live = [m for m in self.decode if m.usable and m.name not in exclude] or [m for m in self.decode if m.usable]
-                if not live:
-                    raise WorkerUnavailable("no decode actor is alive; requests resume once one restarts")
                 self._room.clear()
                 fits = [m for m in live if self._might_fit(m, self.pages_needed(m, reserve_tokens))]
                 for m in sorted(fits, key=lambda m: -(m.report.pages_free if m.report else 0)):
@@ -325,6 +326,9 @@ class Frontend:
                         return m
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    if not live:  # dead or stuck, and none came back in time (Ray restarts dead ones)
+                        raise WorkerUnavailable(f"no decode actor is alive (none came back within "
+                                                f"{self.deadlines.queue_timeout_s:.0f} s, --queue-timeout-s); retry later")
                     raise CapacityError(f"no decode actor had room within {self.deadlines.queue_timeout_s:.0f} s "
                                         "(--queue-timeout-s); retry shortly", retry_after_s=2.0)
                 try:
@@ -334,14 +338,20 @@ class Frontend:
         finally:
             self.waiting -= 1
 
-    def _pick_prefill(self) -> Member:
-        live = [m for m in self.prefill if m.usable]
-        if not live:
-            raise WorkerUnavailable("no prefill actor is alive; requests resume once one restarts")
-        return min(live, key=lambda m: sum(m.load.values()) + m.stats.get("queued_tokens", 0))
+    async def _pick_prefill(self) -> Member:
+        """The least loaded usable prefill actor; waits (up to the queue deadline) while all are restarting."""
+        deadline = time.monotonic() + self.deadlines.queue_timeout_s
+        while True:
+            live = [m for m in self.prefill if m.usable]
+            if live:
+                return min(live, key=lambda m: sum(m.load.values()) + m.stats.get("queued_tokens", 0))
+            if time.monotonic() >= deadline:
+                raise WorkerUnavailable(f"no prefill actor is alive (none came back within "
+                                        f"{self.deadlines.queue_timeout_s:.0f} s, --queue-timeout-s); retry later")
+            await asyncio.sleep(0.2)
 
     async def _run_prefill(self, preq: PrefillRequest, target: DecodeTarget | None) -> PrefillOutcome:
-        m = self._pick_prefill()
+        m = await self._pick_prefill()
         m.load[preq.request_id] = len(preq.prompt_token_ids) + len(preq.resume_tokens)
         ref = m.handle.prefill.remote(preq, target)
         call = asyncio.ensure_future(_await(ref))
@@ -389,6 +399,8 @@ class Frontend:
                 target = DecodeTarget(dm.handle, dm.name, self.id) if dm is not None else None
                 preq = PrefillRequest(key, tuple(req.prompt_token_ids), sp, seed, tuple(generated), solo)
                 out = await self._run_prefill(preq, target)
+                if out.handed_off:
+                    self.handoffs.append((out.layout_bytes, out.handoff_s))
                 if not generated:
                     events = [TokenEvent(req.request_id, 0, out.first_token, out.finish_reason)] if out.first_token else []
                     generated += [e.token.token_id for e in events]
@@ -427,8 +439,15 @@ class Frontend:
     def stats(self) -> dict:
         dec = [m.stats for m in self.decode if m.stats]
         keys = ("running", "waiting", "reserved", "device_bytes_used", "device_bytes_total", "host_bytes_used",
-                "host_bytes_total", "hits", "misses", "bytes_h2d", "failed_steps", "integrity_errors")
+                "host_bytes_total", "hits", "misses", "bytes_h2d", "failed_steps", "integrity_errors", "integrity_checks")
         out = {k: sum(s.get(k, 0) for s in dec) for k in keys}
+        out["held_layouts"] = sum(m.stats.get("held_layouts", 0) for m in self.prefill)
+        out["tables"] = {  # per-request bookkeeping everywhere: back to zero whenever nothing is in flight
+            "frontend_collectors": len(self.collectors), "frontend_keys": sum(len(m.keys) for m in self.decode),
+            "frontend_prefill_loads": sum(len(m.load) for m in self.prefill),
+            "decode_owners": sum(s.get("owners", 0) for s in dec),
+            "prefill_pending": sum(m.stats.get("pending", 0) + m.stats.get("futures", 0) for m in self.prefill),
+        }
         out["handoff_bytes"] = sum(m.stats.get("bytes_sent", 0) for m in self.prefill)
         out["router_waiting"] = self.waiting
         out["decode_alive"] = sum(m.usable for m in self.decode)

@@ -174,6 +174,6 @@ class PrefillActor:
 
     async def stats(self) -> dict:
         """Queue and progress as of the last step (never waits for a step to end), plus handoffs in flight."""
-        return {**self._snapshot, "name": self.name, "held_layouts": len(self.in_handoff),
+        return {**self._snapshot, "name": self.name, "held_layouts": len(self.in_handoff), "futures": len(self.futures),
                 "held_bytes": sum(self.in_handoff.values()), "handoffs": self.handoffs, "bytes_sent": self.bytes_sent,
                 "stalled_s": self.thread.stalled_s()}

@@ -11,6 +11,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # single-machine setup; the test clusters bind 127.0.0.1 only, so keep the address as given.
 # (Read when ray is first imported, hence before anything else.)
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Ray's token authentication, decided explicitly as `hisparse serve` does (read when ray is imported).
+os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -12,7 +12,7 @@ from serving_helpers import run
 from cluster.inprocess import InProcessEngine
 from cluster.protocol import ROLE_DECODE, ROLE_PREFILL
 from cluster.service import Service
-from core.roles import ClusterConfig, ServeConfig, TierConfig
+from core.roles import ClusterConfig, DeadlineConfig, ServeConfig, TierConfig
 from core.types import GenerateRequest, SamplingParams, WorkerUnavailable
 
 pytestmark = pytest.mark.ray
@@ -37,7 +37,8 @@ def _req(i: int, n: int = 12):
 
 def test_roles_place_actors_and_survive_node_loss(loop, cluster, tiny_model):
     c, prefill_node, decode_node = cluster
-    cfg = ServeConfig(model="tiny", tier=TIER, cluster=ClusterConfig(address=c.address, placement="resources", max_restarts=3))
+    cfg = ServeConfig(model="tiny", tier=TIER, cluster=ClusterConfig(address=c.address, placement="resources", max_restarts=3),
+                      deadlines=DeadlineConfig(queue_timeout_s=3.0))
     svc = Service(cfg, prefix="mn")
     run(loop, svc.start())
     try:

@@ -11,7 +11,7 @@ from serving_helpers import run
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service
-from core.roles import ClusterConfig, PrefillConfig, ServeConfig, TierConfig
+from core.roles import ClusterConfig, DeadlineConfig, PrefillConfig, ServeConfig, TierConfig
 from core.types import GenerateRequest, SamplingParams, WorkerUnavailable
 
 pytestmark = pytest.mark.ray
@@ -26,6 +26,7 @@ def service(loop, tiny_dir):
     cfg = ServeConfig(
         model="tiny", tier=TIER, prefill=PrefillConfig(max_batch_tokens=256),
         cluster=ClusterConfig(num_prefill=2, num_decode=2, placement="any", max_restarts=2),
+        deadlines=DeadlineConfig(queue_timeout_s=5.0),  # with no decode actor left, how long a request waits for one
     )
     svc = Service(cfg, prefix="pdtest")
     run(loop, svc.start())

@@ -10,7 +10,7 @@ import pytest
 import ray
 from serving_helpers import free_port, start_gateway, stop_gateway
 
-from core.roles import ClusterConfig, ServeConfig, ServerConfig, TierConfig
+from core.roles import ClusterConfig, DeadlineConfig, ServeConfig, ServerConfig, TierConfig
 
 pytestmark = pytest.mark.ray
 
@@ -21,6 +21,7 @@ def gw(tiny_dir):
         model="tiny", tier=TierConfig(device_budget_bytes=8 * 2**20, host_pool_bytes=32 * 2**20),
         cluster=ClusterConfig(placement="any", max_restarts=0, prefill_num_cpus=0.5, decode_num_cpus=0.5),
         server=ServerConfig(port=free_port(), max_concurrent_requests=2),
+        deadlines=DeadlineConfig(queue_timeout_s=2.0),
     )
     g = start_gateway(cfg, tiny_dir)
     yield g
