@@ -1,53 +1,78 @@
-"""The gateway's own overhead: the same load through HTTP and straight into the router (one JSON object).
+"""The gateway's own cost: the same load through HTTP and straight into the frontend (one JSON object).
 
-    python -m bench.gateway [--num-prompts 48] [--max-concurrency 16] [--input-len 128] [--output-len 32]
+    python -m bench.gateway [--num-prompts 48] [--max-concurrency 16] [--input-len 128] [--output-len 32] [--repeats 2]
 
-Both runs use one in-process service (embedded Ray, 1 prefill + 1 decode actor, the built-in model),
-the same token-id prompts and the same concurrency; the HTTP run goes through uvicorn + FastAPI + SSE
-with the streaming client of `hisparse bench serve`, the direct run calls the router on the server's
-own event loop. The ratios compare the two, measured side by side.
+One service (embedded Ray, 1 prefill + 1 decode actor, the built-in model) serves both runs. The HTTP run
+goes through uvicorn + FastAPI + SSE with the load client in a process of its own (`bench.sse_client`), so
+client CPU never shares this interpreter; the direct run feeds the same prompts to the frontend on the
+server's own event loop. Runs alternate `--repeats` times; the ratios compare the last pair, and the
+added time to first token is reported in ms (HTTP minus direct, p50 and p99).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import socket
+import subprocess
+import sys
 import time
 
+import numpy as np
+
 from bench.common import emit, environment, progress
-from bench.serve import RequestResult, ServeBenchConfig, build_prompts, run_serve_bench, summarize
 from core.roles import ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, TierConfig
 from core.types import GenerateRequest, SamplingParams
 
 
-async def direct(service, cfg: ServeBenchConfig) -> dict:
-    prompts = build_prompts(cfg)
-    results = [RequestResult(index=i, prompt_tokens=cfg.input_len) for i in range(cfg.num_prompts)]
-    gate = asyncio.Semaphore(cfg.max_concurrency or cfg.num_prompts)
+def prompts(n: int, length: int) -> list[list[int]]:
+    return [[(31 * i + 7 * j) % 250 + 6 for j in range(length)] for i in range(n)]
+
+
+def _stats(ttfts_s: list[float], tokens: int, wall: float) -> dict:
+    ms = np.asarray(ttfts_s) * 1000
+    return {"tokens_per_s": round(tokens / wall, 1), "tokens": tokens, "wall_s": round(wall, 3),
+            "ttft_p50_ms": round(float(np.percentile(ms, 50)), 2), "ttft_p99_ms": round(float(np.percentile(ms, 99)), 2)}
+
+
+async def direct(service, ps: list[list[int]], output_len: int, concurrency: int) -> dict:
+    gate = asyncio.Semaphore(concurrency)
+    ttfts, counts = [], []
     t0 = time.perf_counter()
 
     async def one(i: int) -> None:
         async with gate:
-            res = results[i]
             start = time.perf_counter()
-            res.start_offset_s = start - t0
-            last = None
-            req = GenerateRequest(f"direct-{i}", tuple(prompts[i]), SamplingParams(max_tokens=cfg.output_len, ignore_eos=True))
-            async for _ in service.generate(req, seed=i):
-                now = time.perf_counter()
-                if last is None:
-                    res.ttft_s = now - start
-                else:
-                    res.itls_s.append(now - last)
-                last = now
-                res.output_tokens += 1
-            res.e2e_s = time.perf_counter() - start
-            res.success = True
+            req = GenerateRequest(f"direct-{i}-{time.monotonic_ns()}", tuple(ps[i]),
+                                  SamplingParams(max_tokens=output_len, ignore_eos=True))
+            n = 0
+            async for out in service.outputs(req, seed=i):
+                if n == 0 and out.events:
+                    ttfts.append(time.perf_counter() - start)
+                n += len(out.events)
+            counts.append(n)
 
-    await asyncio.gather(*(one(i) for i in range(cfg.num_prompts)))
-    return summarize(results, time.perf_counter() - t0)
+    await asyncio.gather(*(one(i) for i in range(len(ps))))
+    return _stats(ttfts, sum(counts), time.perf_counter() - t0)
+
+
+def http(url: str, ps: list[list[int]], output_len: int, concurrency: int) -> dict:
+    bodies = [{"prompt": p, "max_tokens": output_len, "ignore_eos": True, "stream": True, "temperature": 0,
+               "stream_options": {"continuous_usage_stats": True}} for p in ps]
+    spec = json.dumps({"url": url, "bodies": bodies, "concurrency": concurrency})
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "bench.sse_client"], input=spec, capture_output=True, text=True, check=True)
+    wall = time.perf_counter() - t0
+    res = json.loads(out.stdout)["results"]
+    errors = [r["error"] for r in res if r["error"]]
+    if errors:
+        raise RuntimeError(f"{len(errors)} HTTP requests failed, first: {errors[0]}")
+    ttfts = [r["chunk_times"][0] - r["start"] for r in res]
+    # the client's own start-up is not the server's time: measure from its first request to its last token
+    span = max(r["chunk_times"][-1] for r in res) - min(r["start"] for r in res)
+    return _stats(ttfts, sum(sum(r["chunk_tokens"]) for r in res), span) | {"client_process_wall_s": round(wall, 3)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,8 +81,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-concurrency", type=int, default=16)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2)
     a = ap.parse_args(argv)
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     import ray
 
     from api.server import BackgroundServer
@@ -72,30 +99,23 @@ def main(argv: list[str] | None = None) -> None:
     server = BackgroundServer(Service(cfg), cfg, port)
     try:
         url = server.start()
-        bench = ServeBenchConfig(base_url=url, num_prompts=a.num_prompts, input_len=a.input_len, output_len=a.output_len,
-                                 max_concurrency=a.max_concurrency, seed=0, progress=False)
+        ps = prompts(a.num_prompts, a.input_len)
         progress("warm-up")
-        run_serve_bench(ServeBenchConfig(base_url=url, num_prompts=4, input_len=16, output_len=4, progress=False))
+        http(url, ps[:4], 4, 4)
+        server.run(direct(server.service, ps[:4], 4, 4))
         rows = []
-        for rep in range(2):  # alternate, so drift on the machine hits both alike
+        for rep in range(a.repeats):  # alternate, so drift on the machine hits both alike
             progress(f"HTTP run {rep + 1}")
-            http = run_serve_bench(bench)
+            h = http(url, ps, a.output_len, a.max_concurrency)
             progress(f"direct run {rep + 1}")
-            dr = server.run(direct(server.service, bench))
-            rows.append((http, dr))
-        keys = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_itl_ms", "median_e2el_ms")
-
-        def pick(d: dict) -> dict:
-            return {k: d[k] for k in keys} | {"completed": d["completed"], "failed": d["failed"]}
-
-        http, dr = rows[-1]
-        out = {"bench": "gateway", "env": environment(), "num_prompts": a.num_prompts, "max_concurrency": a.max_concurrency,
-               "input_len": a.input_len, "output_len": a.output_len, "http": pick(http), "direct": pick(dr),
-               "ratio_throughput_http_over_direct": round(http["output_throughput"] / dr["output_throughput"], 3),
-               "ratio_median_ttft_http_over_direct": round(http["median_ttft_ms"] / dr["median_ttft_ms"], 3),
-               "ratio_median_e2e_http_over_direct": round(http["median_e2el_ms"] / dr["median_e2el_ms"], 3),
-               "first_repeat": {"http": pick(rows[0][0]), "direct": pick(rows[0][1])}}
-        emit(out)
+            d = server.run(direct(server.service, ps, a.output_len, a.max_concurrency))
+            rows.append({"http": h, "direct": d})
+        h, d = rows[-1]["http"], rows[-1]["direct"]
+        emit({"bench": "gateway", "env": environment(), "num_prompts": a.num_prompts, "max_concurrency": a.max_concurrency,
+              "input_len": a.input_len, "output_len": a.output_len, "runs": rows,
+              "ratio_tokens_per_s_http_over_direct": round(h["tokens_per_s"] / d["tokens_per_s"], 3),
+              "ttft_added_by_http_p50_ms": round(h["ttft_p50_ms"] - d["ttft_p50_ms"], 2),
+              "ttft_added_by_http_p99_ms": round(h["ttft_p99_ms"] - d["ttft_p99_ms"], 2)})
     finally:
         server.stop()
         ray.shutdown()

@@ -142,6 +142,8 @@ class Member:
     """Prefill: prompt tokens this frontend has in flight there, per key."""
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when the actor dies or hangs (wakes the attempts waiting on it)."""
+    orphans: set[str] = field(default_factory=set)
+    """Keys moved away when the actor looked dead: if it was only unreachable, they are aborted when it answers."""
 
     @property
     def usable(self) -> bool:
@@ -214,6 +216,9 @@ class Frontend:
         log.info("%s answers again; it rejoins", m.name)
         m.alive, m.hung, m.report = True, False, None
         m.lost = asyncio.Event()
+        if m.orphans:  # a restarted actor has none of them; one that was only unreachable must drop them
+            m.handle.abort.remote(list(m.orphans))
+            m.orphans = set()
         self._room.set()  # requests waiting for a live actor go on
 
     def _deliver(self, m: Member, msg: StepMessage) -> None:
@@ -255,7 +260,9 @@ class Frontend:
             col = self.collectors.get(key)
             if col is not None:
                 col.fail(WorkerLost(why))
-        if not dead and keys:
+        if dead:
+            m.orphans |= set(keys)
+        elif keys:
             m.handle.abort.remote(keys)
 
     async def _watch_prefill(self) -> None:
