@@ -164,20 +164,23 @@ class Frontend:
         self.waiting = 0
         self._room = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._running = False
         self._ids = itertools.count()
 
     # lifecycle -----------------------------------------------------------------------------------
 
     async def start(self) -> None:
         if not self._tasks:
+            self._running = True
             loop = asyncio.get_running_loop()
             self._tasks = [loop.create_task(self._poll_decode(m)) for m in self.decode]
             self._tasks.append(loop.create_task(self._watch_prefill()))
 
     async def stop(self) -> None:
+        self._running = False  # the loops also check this: a cancel that lands as a wait ends can be swallowed
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.wait(self._tasks, timeout=10.0)
         self._tasks = []
         for m in self.decode:
             if m.keys and m.alive:
@@ -193,7 +196,7 @@ class Frontend:
     # the poll loops ------------------------------------------------------------------------------
 
     async def _poll_decode(self, m: Member) -> None:
-        while True:
+        while self._running:
             if not m.alive:
                 await self._rejoin(m)
                 continue
@@ -266,7 +269,7 @@ class Frontend:
             m.handle.abort.remote(keys)
 
     async def _watch_prefill(self) -> None:
-        while True:
+        while self._running:
             await asyncio.gather(*(self._refresh_prefill(m) for m in self.prefill), return_exceptions=True)
             await asyncio.sleep(POLL_INTERVAL_S)
 
