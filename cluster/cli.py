@@ -75,6 +75,9 @@ def tier_config(args: argparse.Namespace):
 def serve_config(args: argparse.Namespace):
     import os
 
+    if args.api_workers > 1 and args.transport in ("gloo", "nccl"):
+        raise ValueError(f"--transport {args.transport} moves layouts from the process that set the collective up, "
+                         "so it needs --api-workers 1 (or use --transport object_store or nixl)")
     from core.roles import ClusterConfig, DeadlineConfig, PrefillConfig, ServeConfig, ServerConfig
 
     stub = None

@@ -106,7 +106,7 @@ class DecodeActor:
         st = self.worker.stats()
         st.update(name=self.name, integrity_errors=self.integrity_errors, handoffs=self.handoffs,
                   handoff_bytes=self.handoff_bytes, subscribers=len(self.outboxes), owners=len(self.owner_of),
-                  dropped_subscribers=self.dropped_subscribers, stalled_s=self.thread.stalled_s())
+                  dropped_subscribers=self.dropped_subscribers)
         return st
 
     # calls ---------------------------------------------------------------------------------------

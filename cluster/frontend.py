@@ -34,6 +34,7 @@ import ray
 from cachetier.geometry import pages_for_request
 from cluster.prefill_actor import ACTOR_GONE
 from cluster.protocol import (
+    COLLECTIVE_TRANSPORTS,
     DecodeTarget,
     PrefillOutcome,
     Report,
@@ -152,9 +153,11 @@ class Member:
 
 class Frontend:
     def __init__(self, prefill: list[tuple[object, dict]], decode: list[tuple[object, dict]],
-                 deadlines: DeadlineConfig | None = None, frontend_id: str | None = None) -> None:
+                 deadlines: DeadlineConfig | None = None, frontend_id: str | None = None, transport: str = "object_store") -> None:
         self.id = frontend_id or uuid.uuid4().hex[:12]
         self.deadlines = deadlines or DeadlineConfig()
+        self.transport = transport
+        self._pair_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self.prefill = [Member(h, i["name"], i) for h, i in prefill]
         self.decode = [Member(h, i["name"], i) for h, i in decode]
         self.collectors: dict[str, Collector] = {}
@@ -362,6 +365,34 @@ class Frontend:
 
     async def _run_prefill(self, preq: PrefillRequest, target: DecodeTarget | None) -> PrefillOutcome:
         m = await self._pick_prefill()
+        out = await self._prefill_on(m, preq, target)
+        if out.awaiting_export is not None:
+            await self._move_layout(m, target, out)
+        return out
+
+    async def _move_layout(self, pm: Member, target: DecodeTarget, out: PrefillOutcome) -> None:
+        """Direct tensor transports: start the transfer here, the process that set the transport up."""
+        key = out.request_id
+        lock = None
+        if self.transport in COLLECTIVE_TRANSPORTS:  # collectives pair sends with receives in order: one at a time per pair
+            lock = self._pair_locks.setdefault((pm.name, target.name), asyncio.Lock())
+            await lock.acquire()
+        t0 = time.perf_counter()
+        try:
+            ref = pm.handle.export.options(tensor_transport=self.transport).remote(key)
+            await asyncio.wait_for(_await(target.handle.admit.remote(out.awaiting_export, ref)), self.deadlines.handoff_timeout_s)
+        except ACTOR_GONE as e:
+            raise WorkerLost(f"an actor was lost while moving the layout of {key}: {type(e).__name__}") from None
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"the layout of {key} did not move within {self.deadlines.handoff_timeout_s:.0f} s "
+                                   "(--handoff-timeout-s)") from None
+        finally:
+            if lock is not None:
+                lock.release()
+            pm.handle.release.remote(key)
+        out.handed_off, out.handoff_s = True, time.perf_counter() - t0
+
+    async def _prefill_on(self, m: Member, preq: PrefillRequest, target: DecodeTarget | None) -> PrefillOutcome:
         m.load[preq.request_id] = len(preq.prompt_token_ids) + len(preq.resume_tokens)
         ref = m.handle.prefill.remote(preq, target)
         call = asyncio.ensure_future(_await(ref))

@@ -19,7 +19,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from cachetier.layout import layout_format, pack_layout
-from cluster.protocol import COLLECTIVE_TRANSPORTS, DecodeTarget, Handoff, PrefillOutcome, StepFailure, WorkerLost
+from cluster.protocol import DecodeTarget, Handoff, PrefillOutcome, StepFailure, WorkerLost
 from cluster.steploop import StepThread, resolve
 from core.roles import DeadlineConfig, FaultConfig, PrefillConfig, StubConfig
 from core.types import DeadlineExceeded, HisparseError
@@ -59,11 +59,10 @@ class PrefillActor:
         self.format = layout_format(model.cfg, model.dtype)
         self.futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self.in_handoff: dict[str, int] = {}
-        self.exports: dict[str, object] = {}
+        self.exports: dict[str, tuple[object, float]] = {}  # direct tensor transports: layouts waiting to be moved
         self.handoffs = 0
         self.bytes_sent = 0
         self._snapshot = {"queued_tokens": 0, "pending": 0, "tokens_in": 0, "progress": {}}
-        self._locks: dict[str, asyncio.Lock] = {}
         self.thread = StepThread(f"prefill-{name}", self.worker.has_work, self._step)
 
     def _step(self) -> None:
@@ -126,10 +125,15 @@ class PrefillActor:
             return out
         h = Handoff(req.request_id, res.first_token, res.sampling, res.seed, res.num_generated, target.owner, self.format,
                     packed.tensor_bytes, solo=req.solo, fault=self.faults.tag(req.prompt_token_ids))
+        if self.transport != "object_store":  # the caller moves it: see `export`
+            self.exports[req.request_id] = (packed, time.monotonic() + self.deadlines.handoff_timeout_s)
+            self._sweep_exports()
+            out.awaiting_export, out.layout_bytes = h, packed.tensor_bytes
+            return out
         t0 = time.perf_counter()
         self.in_handoff[req.request_id] = packed.tensor_bytes
         try:
-            await asyncio.wait_for(self._send(target, h, packed), self.deadlines.handoff_timeout_s)
+            await asyncio.wait_for(target.handle.admit.remote(h, packed), self.deadlines.handoff_timeout_s)
         except ACTOR_GONE as e:
             raise WorkerLost(f"decode actor {target.name} was lost while taking over {req.request_id}: "
                              f"{type(e).__name__}") from None
@@ -138,42 +142,40 @@ class PrefillActor:
                                    f"{self.deadlines.handoff_timeout_s:.0f} s (--handoff-timeout-s)") from None
         finally:
             self.in_handoff.pop(req.request_id, None)
-            self.exports.pop(req.request_id, None)
         self.handoffs += 1
         self.bytes_sent += packed.tensor_bytes
         out.handed_off, out.layout_bytes, out.handoff_s = True, packed.tensor_bytes, time.perf_counter() - t0
         return out
 
-    async def _send(self, target: DecodeTarget, h: Handoff, packed) -> None:
-        if self.transport == "object_store":
-            await target.handle.admit.remote(h, packed)
-            return
-        # Ray's direct tensor transport moves tensors a method *returns*: export through our own handle.
-        me = ray.get_runtime_context().current_actor
-        self.exports[h.request_id] = packed
-        lock = None
-        if self.transport in COLLECTIVE_TRANSPORTS:  # collectives pair sends and receives in order: one at a time per pair
-            lock = self._locks.setdefault(target.name, asyncio.Lock())
-            await lock.acquire()
-        try:
-            ref = me.export.options(tensor_transport=self.transport).remote(h.request_id)
-            await target.handle.admit.remote(h, ref)
-        finally:
-            if lock is not None:
-                lock.release()
-
     async def export(self, request_id: str):
-        """The packed layout of a request being handed off (only for direct tensor transports)."""
-        packed = self.exports.get(request_id)
-        if packed is None:
-            raise HisparseError(f"no layout of {request_id} is being handed off")
-        return packed
+        """The packed layout waiting for a direct tensor transport (the caller passes this call's result on)."""
+        held = self.exports.get(request_id)
+        if held is None:
+            raise HisparseError(f"the layout of {request_id} is no longer here (released, or not moved within "
+                                f"{self.deadlines.handoff_timeout_s:.0f} s, --handoff-timeout-s)")
+        self.handoffs += 1
+        self.bytes_sent += held[0].tensor_bytes
+        return held[0]
+
+    async def release(self, request_id: str) -> None:
+        """The caller is done moving a layout (or gave up on it)."""
+        self.exports.pop(request_id, None)
+
+    def _sweep_exports(self) -> None:
+        """Layouts nobody moved within the handoff deadline are dropped (the caller died between the calls)."""
+        now = time.monotonic()
+        for rid in [r for r, (_, deadline) in self.exports.items() if deadline < now]:
+            del self.exports[rid]
 
     async def abort(self, request_id: str) -> None:
+        self.exports.pop(request_id, None)
         self.thread.call(lambda: self._abort_now(request_id))
 
     async def stats(self) -> dict:
         """Queue and progress as of the last step (never waits for a step to end), plus handoffs in flight."""
-        return {**self._snapshot, "name": self.name, "held_layouts": len(self.in_handoff), "futures": len(self.futures),
-                "held_bytes": sum(self.in_handoff.values()), "handoffs": self.handoffs, "bytes_sent": self.bytes_sent,
+        self._sweep_exports()
+        return {**self._snapshot, "name": self.name, "held_layouts": len(self.in_handoff) + len(self.exports),
+                "futures": len(self.futures),
+                "held_bytes": sum(self.in_handoff.values()) + sum(p.tensor_bytes for p, _ in self.exports.values()),
+                "handoffs": self.handoffs, "bytes_sent": self.bytes_sent,
                 "stalled_s": self.thread.stalled_s()}

@@ -5,9 +5,10 @@ The request path in messages:
    its final length before any prefill work is spent (False: no room there now).
 2. frontend -> prefill actor `prefill(request, target)`: the prefill actor runs the prompt, samples the
    first token and, unless that ends the request, hands the layout to the target decode actor itself
-   with one non-streaming call `admit(handoff, layout)` (the layout travels as an argument: by the
-   object store, or by Ray's direct tensor transport); it returns the first token once the decode
-   actor holds the request.
+   with one non-streaming call `admit(handoff, layout)` (the layout travels as an argument through the
+   object store); it returns the first token once the decode actor holds the request. With Ray's direct
+   tensor transports (nccl, gloo, nixl) only the process that set the transport up may start a transfer,
+   so there the frontend moves the layout: `admit(handoff, prefill.export(key))`, then `release(key)`.
 3. decode actor -> frontend: one `StepMessage` per poll with all new tokens of that frontend's
    requests since its previous poll (steps merge while a frontend is busy), the failures, and a
    `Report` of the actor's capacity and health. A frontend keeps one poll in flight per decode actor,
@@ -96,6 +97,9 @@ class PrefillOutcome:
     layout_bytes: int = 0
     handoff_s: float = 0.0
     """From the layout being packed to the decode actor's acknowledgement."""
+    awaiting_export: Handoff | None = None
+    """Direct tensor transports only: the layout waits in the prefill actor for the caller to move it
+    (`export` into the decode actor's `admit`, then `release`); this is the handoff to pass along."""
 
 
 @dataclass

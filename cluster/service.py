@@ -58,7 +58,8 @@ class Service:
         if self.actors is None:
             await asyncio.get_running_loop().run_in_executor(None, self.start_actors)
         a = self.actors
-        self.frontend = Frontend(list(zip(a.prefill, a.prefill_info)), list(zip(a.decode, a.decode_info)), self.config.deadlines)
+        self.frontend = Frontend(list(zip(a.prefill, a.prefill_info)), list(zip(a.decode, a.decode_info)), self.config.deadlines,
+                                 transport=self.config.cluster.transport)
         await self.frontend.start()
 
     async def stop(self, shutdown_ray: bool | None = None) -> None:

@@ -32,7 +32,7 @@ class StepThread:
         self.wake = threading.Event()
         self._has_work, self._step, self._tick = has_work, step, tick
         self.busy_since: float | None = None
-        self._last_tick = 0.0
+        self._last_tick = time.monotonic()  # the first tick comes a second in, once the owner has finished building
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 

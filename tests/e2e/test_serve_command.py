@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 def test_hisparse_serve_end_to_end(tiny_dir):
     port = free_port()
     env = dict(os.environ, HISPARSE_CACHE=str(tiny_dir.parent.parent))
+    env.pop("RAY_AUTH_MODE", None)  # what a user's shell has: the command decides the mode itself
     proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--device-budget", "16MiB",
                              "--prefill-num-cpus", "0.5", "--decode-num-cpus", "0.5"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
