@@ -70,6 +70,22 @@ class Helm:
                         *self.value_args(values, sets))
 
 
+def render_notes(helm: Helm, scratch: Path, sets: tuple[str, ...] = ()) -> str:
+    """NOTES.txt as rendered. `helm template` leaves NOTES.txt out, so in a scratch copy of the chart it is
+    rendered as a string field of an extra document."""
+    import shutil
+
+    chart = scratch / "hisparse"
+    shutil.copytree(CHART_DIR, chart)
+    text = (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "notes-copy.yaml").write_text(
+        '{{- define "notes-copy" }}' + text + '{{ end }}\nkind: NotesCopy\nnotes: {{ include "notes-copy" . | toJson }}\n')
+    proc = helm.template_raw(sets=sets, chart=chart)
+    assert proc.returncode == 0, proc.stderr
+    (notes,) = [d["notes"] for d in yaml.load_all(proc.stdout, Loader=YAML_LOADER) if d and d.get("kind") == "NotesCopy"]
+    return notes
+
+
 def find(docs: list[dict], kind: str, name: str | None = None) -> dict:
     """The one rendered document of this kind (and name)."""
     hits = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]

@@ -22,6 +22,7 @@ from helm_chart_support import (
     find,
     gateway_container,
     ray_cluster_spec,
+    render_notes,
     worker_group,
 )
 
@@ -338,26 +339,83 @@ def test_default_serve_flags_parse_with_the_project_cli(helm):
     assert cfg.tier.offload is True and cfg.tier.device_budget_bytes == 256 * MiB and cfg.tier.host_pool_bytes is None
 
 
-def test_every_serving_value_reaches_hisparse_serve(helm):
-    sets = (
-        "model.path=/models/dsv4", "model.servedModelName=dsv4-chat", "serve.offload=off", "serve.hotBufferSlots=96",
-        "serve.reservedSlots=4", "serve.deviceBudget=40GiB", "serve.hostPoolBytes=2.5GB", "serve.maxRunning=32",
-        "serve.maxBatchTokens=4096", "serve.maxConcurrentRequests=100", "serve.maxRestarts=5", "serve.layoutLeaseSeconds=12.5",
-        "serve.blockTokens=512", "prefill.replicas=2", "prefill.maxReplicas=2", "decode.replicas=3", "decode.maxReplicas=4",
-        "prefill.actorCpus=2", "decode.actorCpus=0.5", "serve.extraArgs={--verbose-flag-for-test}",
-    )
-    args = _serve_args(helm.render(sets=sets))
-    assert args[-1] == "--verbose-flag-for-test"
-    cfg = _parse_serve(args[:-1])
+# Every serving value set away from its default; fractions arrive from --set as numeric strings.
+SERVING_SETS = (
+    "model.path=/models/dsv4", "model.servedModelName=dsv4-chat", "serve.offload=off", "serve.hotBufferSlots=96",
+    "serve.reservedSlots=4", "serve.deviceBudget=40GiB", "serve.hostPoolBytes=2.5GB", "serve.maxRunning=32",
+    "serve.maxBatchTokens=4096", "serve.maxConcurrentRequests=100", "serve.maxRestarts=5",
+    "serve.blockTokens=512", "prefill.replicas=2", "prefill.maxReplicas=2", "decode.replicas=3", "decode.maxReplicas=4",
+    "prefill.actorCpus=2", "decode.actorCpus=0.5", "serve.extraArgs={--verbose-flag-for-test}",
+    "serve.maxSequencesPerRequest=8", "serve.maxBodyBytes=1MiB", "serve.streamInterval=4", "gateway.apiWorkers=3",
+    "serve.queueTimeoutSeconds=12.5", "serve.maxQueuedRequests=77", "serve.prefillTimeoutSeconds=900",
+    "serve.handoffTimeoutSeconds=45", "serve.tokenTimeoutSeconds=7.5", "serve.maxRequestRetries=0",
+    "serve.subscriberTimeoutSeconds=2.5", "serve.stepHangSeconds=300",
+)
+
+
+def _assert_serving_values(cfg):
     assert (cfg.model, cfg.server.served_model_name) == ("/models/dsv4", "dsv4-chat")
     t = cfg.tier
     assert (t.offload, t.hot_buffer_slots, t.reserved_slots, t.max_running, t.block_tokens) == (False, 96, 4, 32, 512)
     assert (t.device_budget_bytes, t.host_pool_bytes) == (40 * GiB, 2_500_000_000)
-    assert (cfg.prefill.max_batch_tokens, cfg.prefill.layout_lease_s) == (4096, 12.5)
+    assert cfg.prefill.max_batch_tokens == 4096
     c = cfg.cluster
     assert (c.num_prefill, c.num_decode, c.max_restarts, c.transport) == (2, 3, 5, "object_store")
     assert (c.prefill_num_cpus, c.decode_num_cpus) == (2.0, 0.5)
-    assert cfg.server.max_concurrent_requests == 100
+    s = cfg.server
+    assert (s.max_concurrent_requests, s.max_sequences_per_request, s.max_body_bytes, s.stream_interval) == (100, 8, MiB, 4)
+    d = cfg.deadlines
+    assert (d.queue_timeout_s, d.max_queued_requests, d.prefill_timeout_s, d.handoff_timeout_s) == (12.5, 77, 900.0, 45.0)
+    assert (d.token_timeout_s, d.max_request_retries, d.subscriber_timeout_s, d.step_hang_s) == (7.5, 0, 2.5, 300.0)
+
+
+def test_every_serving_value_reaches_hisparse_serve(helm):
+    args = _serve_args(helm.render(sets=SERVING_SETS))
+    assert args[-1] == "--verbose-flag-for-test"
+    cfg = _parse_serve(args[:-1])
+    _assert_serving_values(cfg)
+    assert cfg.server.api_workers == 3
+
+
+def test_every_serving_value_reaches_the_rayservice_application(helm):
+    spec = find(helm.render(sets=(*SERVING_SETS, "mode=rayservice")), "RayService")["spec"]
+    (app,) = yaml.safe_load(spec["serveConfigV2"])["applications"]
+    argv = app["args"]["argv"]
+    assert argv[-1] == "--verbose-flag-for-test"
+    # One Serve replica serves HTTP there: the gateway-process count is raycluster's alone.
+    assert "--api-workers" not in argv
+    _assert_serving_values(_parse_serve(argv[:-1]))
+
+
+def test_default_values_are_hisparse_defaults(helm):
+    # The chart passes every flag explicitly; its defaults must be the ones `hisparse serve` has itself.
+    from cluster.cli import build_parser, serve_config
+
+    own = serve_config(build_parser().parse_args(["serve"]))
+    default = _parse_serve(_serve_args(helm.render()))
+    assert default.deadlines == own.deadlines
+    assert default.tier == own.tier and default.prefill == own.prefill
+    chart_owned = {"host", "port"}  # the chart binds 0.0.0.0 on gateway.port
+    assert {k: v for k, v in vars(default.server).items() if k not in chart_owned} == \
+           {k: v for k, v in vars(own.server).items() if k not in chart_owned}
+
+
+def _cores(quantity: str) -> float:
+    return int(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+@pytest.mark.parametrize("values,sets,workers,cores", [
+    ((), (), 1, 1.0),
+    ((), ("gateway.apiWorkers=3", "gateway.cpu=500m"), 3, 1.5),
+    ((), ("gateway.apiWorkers=2", "gateway.cpu=0.75"), 2, 1.5),
+    ((), ("gateway.apiWorkers=2", "gateway.cpu=2"), 2, 4.0),
+    (VALUE_SETS["gpu"], (), 4, 4.0),
+])
+def test_gateway_cpu_is_per_gateway_process(helm, values, sets, workers, cores):
+    container = gateway_container(helm.render(values, sets))
+    assert _parse_serve(container["args"]).server.api_workers == workers
+    assert _cores(container["resources"]["requests"]["cpu"]) == cores
+    assert container["resources"]["limits"]["cpu"] == container["resources"]["requests"]["cpu"]
 
 
 def test_explicit_actor_counts_win_over_replicas(helm):
@@ -512,15 +570,7 @@ def test_prometheus_scrape_annotations(helm):
 
 
 def test_notes_explain_how_to_reach_the_api(helm, tmp_path):
-    # helm template leaves NOTES.txt out; in a scratch copy of the chart, render it as a string field.
-    chart = tmp_path / "hisparse"
-    shutil.copytree(CHART_DIR, chart)
-    text = (chart / "templates" / "NOTES.txt").read_text()
-    (chart / "templates" / "notes-copy.yaml").write_text(
-        '{{- define "notes-copy" }}' + text + '{{ end }}\nkind: NotesCopy\nnotes: {{ include "notes-copy" . | toJson }}\n')
-    proc = helm.template_raw(chart=chart)
-    assert proc.returncode == 0, proc.stderr
-    (notes,) = [d["notes"] for d in yaml.safe_load_all(proc.stdout) if d and d.get("kind") == "NotesCopy"]
+    notes = render_notes(helm, tmp_path)
     assert f"kubectl -n {NAMESPACE} port-forward svc/{GATEWAY} 8000:8000" in notes
     assert "/v1/completions" in notes and "/health" in notes
 
@@ -548,12 +598,50 @@ def test_notes_explain_how_to_reach_the_api(helm, tmp_path):
         ("replicas=2", "Additional property replicas"),
         ("decode.replica=2", "Additional property replica"),
         ("gateway.env[0].name=LEVEL,gateway.env[0].value=1", "gateway.env.0.value"),
+        ("serve.layoutLeaseSeconds=30", "Additional property layoutLeaseSeconds"),
+        ("serve.queueTimeoutSeconds=0", "serve.queueTimeoutSeconds"),
+        ("serve.tokenTimeoutSeconds=-5", "serve.tokenTimeoutSeconds"),
+        ("serve.subscriberTimeoutSeconds=2", "serve.subscriberTimeoutSeconds"),
+        ("serve.maxQueuedRequests=0", "serve.maxQueuedRequests"),
+        ("serve.maxRequestRetries=-1", "serve.maxRequestRetries"),
+        ("serve.streamInterval=0", "serve.streamInterval"),
+        ("serve.maxSequencesPerRequest=0", "serve.maxSequencesPerRequest"),
+        ("serve.maxBodyBytes=lots", "serve.maxBodyBytes"),
+        ("gateway.apiWorkers=0", "gateway.apiWorkers"),
+        ("gateway.apiKey.enabled=yes", "gateway.apiKey.enabled"),
+        ("gateway.apiKey.secretKey=a/b", "gateway.apiKey.secretKey"),
+        ("gateway.apiKey.existingSecret=Not_A_Name", "gateway.apiKey.existingSecret"),
+        ("gateway.apiKey.apiKey=x", "Additional property apiKey"),
     ],
 )
 def test_schema_rejects_bad_values(helm, bad, field):
     proc = helm.template_raw(sets=(bad,))
     assert proc.returncode != 0, f"{bad} was accepted"
     assert "schema" in proc.stderr and field in proc.stderr, proc.stderr
+
+
+SECONDS_VALUES = {"queueTimeoutSeconds": "queue_timeout_s", "prefillTimeoutSeconds": "prefill_timeout_s",
+                  "handoffTimeoutSeconds": "handoff_timeout_s", "tokenTimeoutSeconds": "token_timeout_s",
+                  "subscriberTimeoutSeconds": "subscriber_timeout_s", "stepHangSeconds": "step_hang_s"}
+
+
+@pytest.mark.parametrize("value", [0, 0.0, "0", "0.0", "00", -1, "-1", 0.5, "0.5", "0.05", 1, "1", "1.0", 2, 2.0, "2",
+                                   "2.0", "02", 2.5, "2.5", "2.05", 3, "3", "10", 30, "30.0", "abc"])
+def test_schema_takes_the_deadlines_hisparse_takes(value):
+    # The deadline values must accept exactly what hisparse's DeadlineConfig accepts (plain decimal spellings),
+    # numbers and the numeric strings `--set` hands over alike.
+    import jsonschema
+
+    from core.roles import DeadlineConfig
+
+    serve = _schema()["properties"]["serve"]["properties"]
+    for name, field in SECONDS_VALUES.items():
+        try:
+            DeadlineConfig(**{field: float(value)})
+            takes = True
+        except ValueError:
+            takes = False
+        assert jsonschema.Draft7Validator(serve[name]).is_valid(value) == takes, (name, value, takes)
 
 
 def test_lint_fails_on_a_bad_value(helm):
