@@ -193,6 +193,7 @@ def test_schema_refuses_a_key_configuration_that_would_not_hold(helm, sets, mess
         (("env[0].name=HISPARSE_API_KEY", "env[0].value=x"), "env sets HISPARSE_API_KEY"),
         ((f"serve.extraArgs={{--api-key={KEY}}}",), "serve.extraArgs has --api-key"),
         (("serve.extraArgs={--api-key,abc}",), "serve.extraArgs has --api-key"),
+        (("serve.extraArgs={--api-ke=abc}",), "serve.extraArgs has --api-key"),  # argparse takes abbreviations
     ],
 )
 def test_chart_refuses_a_key_outside_the_secret(helm, sets, message):

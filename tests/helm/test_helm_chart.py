@@ -409,6 +409,7 @@ def _cores(quantity: str) -> float:
     ((), ("gateway.apiWorkers=3", "gateway.cpu=500m"), 3, 1.5),
     ((), ("gateway.apiWorkers=2", "gateway.cpu=0.75"), 2, 1.5),
     ((), ("gateway.apiWorkers=2", "gateway.cpu=2"), 2, 4.0),
+    ((), ("gateway.apiWorkers=3", "gateway.cpu=100m"), 3, 0.3),
     (VALUE_SETS["gpu"], (), 4, 4.0),
 ])
 def test_gateway_cpu_is_per_gateway_process(helm, values, sets, workers, cores):

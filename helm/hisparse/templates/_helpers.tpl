@@ -195,7 +195,8 @@ Byte sizes go out as integer bytes, which every spelling of `hisparse serve` acc
 {{/* The gateway container's CPU request and limit: gateway.cpu per gateway process x apiWorkers. */}}
 {{- define "hisparse.gatewayCpu" -}}
 {{- $gw := .Values.gateway -}}
-{{- $milli := ceil (mulf (float64 (include "hisparse.cores" $gw.cpu)) 1000.0 (float64 $gw.apiWorkers)) | int64 -}}
+{{- /* Whole millicores per process first, so 0.1 x 1000 x 3 cannot round up to 301m. */ -}}
+{{- $milli := mul (round (mulf (float64 (include "hisparse.cores" $gw.cpu)) 1000.0) 0 | int64) (int64 $gw.apiWorkers) -}}
 {{- if eq (mod $milli 1000) 0 -}}
 {{- div $milli 1000 -}}
 {{- else -}}
@@ -213,9 +214,11 @@ The HISPARSE_API_KEY environment variable as a YAML list (empty with the key off
 Secret by the kubelet: the key never appears in a manifest, an argument or an annotation.
 optional: false, so a missing Secret or key keeps the container from starting (fails closed).
 */}}
+{{- define "hisparse.apiKeyEnvName" -}}HISPARSE_API_KEY{{- end -}}
+
 {{- define "hisparse.apiKeyEnv" -}}
 {{- if .Values.gateway.apiKey.enabled -}}
-- name: HISPARSE_API_KEY
+- name: {{ include "hisparse.apiKeyEnvName" . }}
   valueFrom:
     secretKeyRef:
       name: {{ include "hisparse.apiKeySecretName" . }}
@@ -256,13 +259,14 @@ optional: false, so a missing Secret or key keeps the container from starting (f
 {{- $envs := dict "env" .Values.env "head.env" .Values.head.env "prefill.env" .Values.prefill.env "decode.env" .Values.decode.env "gateway.env" .Values.gateway.env -}}
 {{- range $where, $list := $envs -}}
 {{- range $list -}}
-{{- if eq (toString .name) "HISPARSE_API_KEY" -}}
-{{- fail (printf "%s sets HISPARSE_API_KEY: the chart sets it from a Secret; use gateway.apiKey instead" $where) -}}
+{{- if eq (toString .name) (include "hisparse.apiKeyEnvName" $) -}}
+{{- fail (printf "%s sets %s: the chart sets it from a Secret; use gateway.apiKey instead" $where (include "hisparse.apiKeyEnvName" $)) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
 {{- range .Values.serve.extraArgs -}}
-{{- if or (eq (toString .) "--api-key") (hasPrefix "--api-key=" (toString .)) -}}
+{{- /* argparse also takes the unambiguous abbreviations --api-k and --api-ke. */ -}}
+{{- if regexMatch "^--api-k(ey?)?(=|$)" (toString .) -}}
 {{- fail "serve.extraArgs has --api-key, which would put the key in the pod spec and the process list; use gateway.apiKey (a Secret) instead" -}}
 {{- end -}}
 {{- end -}}
