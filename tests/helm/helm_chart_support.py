@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -113,6 +114,25 @@ def gateway_container(docs: list[dict]) -> dict:
     dep = find(docs, "Deployment", f"{RELEASE}-hisparse-gateway")
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     return container
+
+
+def serve_args(docs: list[dict]) -> list[str]:
+    """The gateway's `hisparse serve` flags (raycluster mode)."""
+    container = gateway_container(docs)
+    assert container["command"][:2] == ["/bin/bash", "-c"]
+    assert 'hisparse serve "$@"' in container["command"][2]
+    return container["args"]
+
+
+def parse_serve(args: list[str]):
+    """Parse with the project's own `hisparse serve` parser: the rendered flags must be accepted as they are."""
+    from cluster.cli import build_parser, serve_config
+
+    return serve_config(build_parser().parse_args(["serve", *args]))
+
+
+def chart_schema() -> dict:
+    return json.loads((CHART_DIR / "values.schema.json").read_text())
 
 
 # ---------------------------------------------------------------- KubeRay CRDs as strict JSON schemas

@@ -19,10 +19,13 @@ from helm_chart_support import (
     CHART_DIR,
     NAMESPACE,
     RELEASE,
+    chart_schema,
     find,
     gateway_container,
+    parse_serve,
     ray_cluster_spec,
     render_notes,
+    serve_args,
     worker_group,
 )
 
@@ -65,27 +68,9 @@ def _containers(docs):
             yield "gateway", pod["containers"][0], pod
 
 
-def _serve_args(docs) -> list[str]:
-    container = gateway_container(docs)
-    assert container["command"][:2] == ["/bin/bash", "-c"]
-    assert 'hisparse serve "$@"' in container["command"][2]
-    return container["args"]
-
-
-def _parse_serve(args: list[str]):
-    """Parse with the project's own `hisparse serve` parser: the rendered flags must be accepted as they are."""
-    from cluster.cli import build_parser, serve_config
-
-    return serve_config(build_parser().parse_args(["serve", *args]))
-
-
 # ---------------------------------------------------------------- values files (no helm needed)
 
 VALUE_FILES = ["values.yaml", "values-gpu.yaml", "values-cpu-example.yaml"]
-
-
-def _schema() -> dict:
-    return json.loads((CHART_DIR / "values.schema.json").read_text())
 
 
 def _closed(schema: dict, path: list[str]) -> bool:
@@ -117,7 +102,7 @@ def _merged_values(files: tuple[str, ...]) -> dict:
 def test_every_value_has_a_comment(name):
     # Each key of the chart's own objects needs a comment line right above it; the insides of free-form
     # values (securityContext, tolerations, ingress hosts...) are covered by the comment on the value.
-    schema, stack, previous, missing = _schema(), [], "", []
+    schema, stack, previous, missing = chart_schema(), [], "", []
     for line in (CHART_DIR / name).read_text().splitlines():
         m = re.match(r"^(\s*)([A-Za-z0-9_.-]+):", line)
         if m:
@@ -138,8 +123,8 @@ def test_values_files_satisfy_the_schema(name):
     import jsonschema
 
     values = _merged_values((name,))
-    jsonschema.Draft7Validator.check_schema(_schema())
-    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in jsonschema.Draft7Validator(_schema()).iter_errors(values)]
+    jsonschema.Draft7Validator.check_schema(chart_schema())
+    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in jsonschema.Draft7Validator(chart_schema()).iter_errors(values)]
     assert not errors, errors
 
 
@@ -217,7 +202,7 @@ def test_extra_resources_and_actors_per_pod_merge_into_the_role_resource(helm):
     for seen in _role_resources(params["resources"]):
         assert seen == {"hisparse_decode": 2, "fast_nic": 1}
     assert params["num-cpus"] == "4"
-    assert "--num-decode" in (args := _serve_args(docs)) and args[args.index("--num-decode") + 1] == "2"
+    assert "--num-decode" in (args := serve_args(docs)) and args[args.index("--num-decode") + 1] == "2"
 
 
 def test_gpu_values_give_each_worker_group_gpus(helm):
@@ -233,7 +218,7 @@ def test_gpu_values_give_each_worker_group_gpus(helm):
     head = ray_cluster_spec(docs)["headGroupSpec"]
     assert "nvidia.com/gpu" not in head["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert "nvidia.com/gpu" not in gateway_container(docs)["resources"]["limits"]
-    cfg = _parse_serve(_serve_args(docs))
+    cfg = parse_serve(serve_args(docs))
     assert cfg.cluster.prefill_num_gpus == 1.0 and cfg.cluster.decode_num_gpus == 1.0
 
 
@@ -331,7 +316,7 @@ def test_gateway_script_stops_both_processes_on_sigterm(helm, tmp_path):
 
 
 def test_default_serve_flags_parse_with_the_project_cli(helm):
-    cfg = _parse_serve(_serve_args(helm.render()))
+    cfg = parse_serve(serve_args(helm.render()))
     assert cfg.model == "tiny"
     assert (cfg.cluster.address, cfg.cluster.placement) == ("auto", "resources")
     assert (cfg.server.host, cfg.server.port) == ("0.0.0.0", 8000)
@@ -339,89 +324,9 @@ def test_default_serve_flags_parse_with_the_project_cli(helm):
     assert cfg.tier.offload is True and cfg.tier.device_budget_bytes == 256 * MiB and cfg.tier.host_pool_bytes is None
 
 
-# Every serving value set away from its default; fractions arrive from --set as numeric strings.
-SERVING_SETS = (
-    "model.path=/models/dsv4", "model.servedModelName=dsv4-chat", "serve.offload=off", "serve.hotBufferSlots=96",
-    "serve.reservedSlots=4", "serve.deviceBudget=40GiB", "serve.hostPoolBytes=2.5GB", "serve.maxRunning=32",
-    "serve.maxBatchTokens=4096", "serve.maxConcurrentRequests=100", "serve.maxRestarts=5",
-    "serve.blockTokens=512", "prefill.replicas=2", "prefill.maxReplicas=2", "decode.replicas=3", "decode.maxReplicas=4",
-    "prefill.actorCpus=2", "decode.actorCpus=0.5", "serve.extraArgs={--verbose-flag-for-test}",
-    "serve.maxSequencesPerRequest=8", "serve.maxBodyBytes=1MiB", "serve.streamInterval=4", "gateway.apiWorkers=3",
-    "serve.queueTimeoutSeconds=12.5", "serve.maxQueuedRequests=77", "serve.prefillTimeoutSeconds=900",
-    "serve.handoffTimeoutSeconds=45", "serve.tokenTimeoutSeconds=7.5", "serve.maxRequestRetries=0",
-    "serve.subscriberTimeoutSeconds=2.5", "serve.stepHangSeconds=300",
-)
-
-
-def _assert_serving_values(cfg):
-    assert (cfg.model, cfg.server.served_model_name) == ("/models/dsv4", "dsv4-chat")
-    t = cfg.tier
-    assert (t.offload, t.hot_buffer_slots, t.reserved_slots, t.max_running, t.block_tokens) == (False, 96, 4, 32, 512)
-    assert (t.device_budget_bytes, t.host_pool_bytes) == (40 * GiB, 2_500_000_000)
-    assert cfg.prefill.max_batch_tokens == 4096
-    c = cfg.cluster
-    assert (c.num_prefill, c.num_decode, c.max_restarts, c.transport) == (2, 3, 5, "object_store")
-    assert (c.prefill_num_cpus, c.decode_num_cpus) == (2.0, 0.5)
-    s = cfg.server
-    assert (s.max_concurrent_requests, s.max_sequences_per_request, s.max_body_bytes, s.stream_interval) == (100, 8, MiB, 4)
-    d = cfg.deadlines
-    assert (d.queue_timeout_s, d.max_queued_requests, d.prefill_timeout_s, d.handoff_timeout_s) == (12.5, 77, 900.0, 45.0)
-    assert (d.token_timeout_s, d.max_request_retries, d.subscriber_timeout_s, d.step_hang_s) == (7.5, 0, 2.5, 300.0)
-
-
-def test_every_serving_value_reaches_hisparse_serve(helm):
-    args = _serve_args(helm.render(sets=SERVING_SETS))
-    assert args[-1] == "--verbose-flag-for-test"
-    cfg = _parse_serve(args[:-1])
-    _assert_serving_values(cfg)
-    assert cfg.server.api_workers == 3
-
-
-def test_every_serving_value_reaches_the_rayservice_application(helm):
-    spec = find(helm.render(sets=(*SERVING_SETS, "mode=rayservice")), "RayService")["spec"]
-    (app,) = yaml.safe_load(spec["serveConfigV2"])["applications"]
-    argv = app["args"]["argv"]
-    assert argv[-1] == "--verbose-flag-for-test"
-    # One Serve replica serves HTTP there: the gateway-process count is raycluster's alone.
-    assert "--api-workers" not in argv
-    _assert_serving_values(_parse_serve(argv[:-1]))
-
-
-def test_default_values_are_hisparse_defaults(helm):
-    # The chart passes every flag explicitly; its defaults must be the ones `hisparse serve` has itself.
-    from cluster.cli import build_parser, serve_config
-
-    own = serve_config(build_parser().parse_args(["serve"]))
-    default = _parse_serve(_serve_args(helm.render()))
-    assert default.deadlines == own.deadlines
-    assert default.tier == own.tier and default.prefill == own.prefill
-    chart_owned = {"host", "port"}  # the chart binds 0.0.0.0 on gateway.port
-    assert {k: v for k, v in vars(default.server).items() if k not in chart_owned} == \
-           {k: v for k, v in vars(own.server).items() if k not in chart_owned}
-
-
-def _cores(quantity: str) -> float:
-    return int(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
-
-
-@pytest.mark.parametrize("values,sets,workers,cores", [
-    ((), (), 1, 1.0),
-    ((), ("gateway.apiWorkers=3", "gateway.cpu=500m"), 3, 1.5),
-    ((), ("gateway.apiWorkers=2", "gateway.cpu=0.75"), 2, 1.5),
-    ((), ("gateway.apiWorkers=2", "gateway.cpu=2"), 2, 4.0),
-    ((), ("gateway.apiWorkers=3", "gateway.cpu=100m"), 3, 0.3),
-    (VALUE_SETS["gpu"], (), 4, 4.0),
-])
-def test_gateway_cpu_is_per_gateway_process(helm, values, sets, workers, cores):
-    container = gateway_container(helm.render(values, sets))
-    assert _parse_serve(container["args"]).server.api_workers == workers
-    assert _cores(container["resources"]["requests"]["cpu"]) == cores
-    assert container["resources"]["limits"]["cpu"] == container["resources"]["requests"]["cpu"]
-
-
 def test_explicit_actor_counts_win_over_replicas(helm):
-    args = _serve_args(helm.render(sets=("serve.numDecode=1", "decode.replicas=2", "decode.maxReplicas=2")))
-    assert _parse_serve(args).cluster.num_decode == 1
+    args = serve_args(helm.render(sets=("serve.numDecode=1", "decode.replicas=2", "decode.maxReplicas=2")))
+    assert parse_serve(args).cluster.num_decode == 1
 
 
 @pytest.mark.parametrize("spelling,expected", [("on", "on"), ("off", "off"), ("true", "on"), ("false", "off")])
@@ -429,7 +334,7 @@ def test_offload_accepts_on_off_and_yaml_booleans(helm, tmp_path, spelling, expe
     # Unquoted on/off are booleans to Helm's YAML 1.1 reader; both forms must reach --offload as on/off.
     values = tmp_path / "offload.yaml"
     values.write_text(f"serve:\n  offload: {spelling}\n")
-    args = _serve_args(helm.render((str(values),)))
+    args = serve_args(helm.render((str(values),)))
     assert args[args.index("--offload") + 1] == expected
 
 
@@ -505,7 +410,7 @@ def test_model_pvc_is_mounted_read_only_where_the_model_is_read(helm):
             continue
         assert vols["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}, role
         assert {"name": "model", "mountPath": "/models", "readOnly": True} in container["volumeMounts"], role
-    assert _parse_serve(_serve_args(docs)).model == "/models/m"
+    assert parse_serve(serve_args(docs)).model == "/models/m"
     rs = helm.render(sets=("mode=rayservice", "model.pvc.claimName=models", "model.pvc.subPath=v4"))
     mounts = {role: c["volumeMounts"] for role, c, _ in _containers(rs)}
     assert set(mounts) == {"head", "prefill", "decode"}  # Serve replicas may run anywhere, the head included
@@ -525,7 +430,7 @@ def test_rayservice_runs_the_builder_with_the_serve_flags(helm):
     argv = app["args"]["argv"]
     assert all(isinstance(a, str) for a in argv), argv
     assert not {"--address", "--host", "--port"} & set(argv)
-    cfg = _parse_serve(argv)
+    cfg = parse_serve(argv)
     assert cfg.tier.offload is False and cfg.tier.device_budget_bytes == GiB and cfg.cluster.placement == "resources"
     assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
     assert spec["serveService"]["metadata"]["name"] == GATEWAY
@@ -619,30 +524,6 @@ def test_schema_rejects_bad_values(helm, bad, field):
     proc = helm.template_raw(sets=(bad,))
     assert proc.returncode != 0, f"{bad} was accepted"
     assert "schema" in proc.stderr and field in proc.stderr, proc.stderr
-
-
-SECONDS_VALUES = {"queueTimeoutSeconds": "queue_timeout_s", "prefillTimeoutSeconds": "prefill_timeout_s",
-                  "handoffTimeoutSeconds": "handoff_timeout_s", "tokenTimeoutSeconds": "token_timeout_s",
-                  "subscriberTimeoutSeconds": "subscriber_timeout_s", "stepHangSeconds": "step_hang_s"}
-
-
-@pytest.mark.parametrize("value", [0, 0.0, "0", "0.0", "00", -1, "-1", 0.5, "0.5", "0.05", 1, "1", "1.0", 2, 2.0, "2",
-                                   "2.0", "02", 2.5, "2.5", "2.05", 3, "3", "10", 30, "30.0", "abc"])
-def test_schema_takes_the_deadlines_hisparse_takes(value):
-    # The deadline values must accept exactly what hisparse's DeadlineConfig accepts (plain decimal spellings),
-    # numbers and the numeric strings `--set` hands over alike.
-    import jsonschema
-
-    from core.roles import DeadlineConfig
-
-    serve = _schema()["properties"]["serve"]["properties"]
-    for name, field in SECONDS_VALUES.items():
-        try:
-            DeadlineConfig(**{field: float(value)})
-            takes = True
-        except ValueError:
-            takes = False
-        assert jsonschema.Draft7Validator(serve[name]).is_valid(value) == takes, (name, value, takes)
 
 
 def test_lint_fails_on_a_bad_value(helm):
