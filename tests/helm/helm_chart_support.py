@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -70,6 +71,22 @@ class Helm:
                         *self.value_args(values, sets))
 
 
+def render_notes(helm: Helm, scratch: Path, sets: tuple[str, ...] = ()) -> str:
+    """NOTES.txt as rendered. `helm template` leaves NOTES.txt out, so in a scratch copy of the chart it is
+    rendered as a string field of an extra document."""
+    import shutil
+
+    chart = scratch / "hisparse"
+    shutil.copytree(CHART_DIR, chart)
+    text = (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "notes-copy.yaml").write_text(
+        '{{- define "notes-copy" }}' + text + '{{ end }}\nkind: NotesCopy\nnotes: {{ include "notes-copy" . | toJson }}\n')
+    proc = helm.template_raw(sets=sets, chart=chart)
+    assert proc.returncode == 0, proc.stderr
+    (notes,) = [d["notes"] for d in yaml.load_all(proc.stdout, Loader=YAML_LOADER) if d and d.get("kind") == "NotesCopy"]
+    return notes
+
+
 def find(docs: list[dict], kind: str, name: str | None = None) -> dict:
     """The one rendered document of this kind (and name)."""
     hits = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
@@ -97,6 +114,25 @@ def gateway_container(docs: list[dict]) -> dict:
     dep = find(docs, "Deployment", f"{RELEASE}-hisparse-gateway")
     (container,) = dep["spec"]["template"]["spec"]["containers"]
     return container
+
+
+def serve_args(docs: list[dict]) -> list[str]:
+    """The gateway's `hisparse serve` flags (raycluster mode)."""
+    container = gateway_container(docs)
+    assert container["command"][:2] == ["/bin/bash", "-c"]
+    assert 'hisparse serve "$@"' in container["command"][2]
+    return container["args"]
+
+
+def parse_serve(args: list[str]):
+    """Parse with the project's own `hisparse serve` parser: the rendered flags must be accepted as they are."""
+    from cluster.cli import build_parser, serve_config
+
+    return serve_config(build_parser().parse_args(["serve", *args]))
+
+
+def chart_schema() -> dict:
+    return json.loads((CHART_DIR / "values.schema.json").read_text())
 
 
 # ---------------------------------------------------------------- KubeRay CRDs as strict JSON schemas

@@ -19,9 +19,13 @@ from helm_chart_support import (
     CHART_DIR,
     NAMESPACE,
     RELEASE,
+    chart_schema,
     find,
     gateway_container,
+    parse_serve,
     ray_cluster_spec,
+    render_notes,
+    serve_args,
     worker_group,
 )
 
@@ -64,27 +68,9 @@ def _containers(docs):
             yield "gateway", pod["containers"][0], pod
 
 
-def _serve_args(docs) -> list[str]:
-    container = gateway_container(docs)
-    assert container["command"][:2] == ["/bin/bash", "-c"]
-    assert 'hisparse serve "$@"' in container["command"][2]
-    return container["args"]
-
-
-def _parse_serve(args: list[str]):
-    """Parse with the project's own `hisparse serve` parser: the rendered flags must be accepted as they are."""
-    from cluster.cli import build_parser, serve_config
-
-    return serve_config(build_parser().parse_args(["serve", *args]))
-
-
 # ---------------------------------------------------------------- values files (no helm needed)
 
 VALUE_FILES = ["values.yaml", "values-gpu.yaml", "values-cpu-example.yaml"]
-
-
-def _schema() -> dict:
-    return json.loads((CHART_DIR / "values.schema.json").read_text())
 
 
 def _closed(schema: dict, path: list[str]) -> bool:
@@ -116,7 +102,7 @@ def _merged_values(files: tuple[str, ...]) -> dict:
 def test_every_value_has_a_comment(name):
     # Each key of the chart's own objects needs a comment line right above it; the insides of free-form
     # values (securityContext, tolerations, ingress hosts...) are covered by the comment on the value.
-    schema, stack, previous, missing = _schema(), [], "", []
+    schema, stack, previous, missing = chart_schema(), [], "", []
     for line in (CHART_DIR / name).read_text().splitlines():
         m = re.match(r"^(\s*)([A-Za-z0-9_.-]+):", line)
         if m:
@@ -137,8 +123,8 @@ def test_values_files_satisfy_the_schema(name):
     import jsonschema
 
     values = _merged_values((name,))
-    jsonschema.Draft7Validator.check_schema(_schema())
-    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in jsonschema.Draft7Validator(_schema()).iter_errors(values)]
+    jsonschema.Draft7Validator.check_schema(chart_schema())
+    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in jsonschema.Draft7Validator(chart_schema()).iter_errors(values)]
     assert not errors, errors
 
 
@@ -216,7 +202,7 @@ def test_extra_resources_and_actors_per_pod_merge_into_the_role_resource(helm):
     for seen in _role_resources(params["resources"]):
         assert seen == {"hisparse_decode": 2, "fast_nic": 1}
     assert params["num-cpus"] == "4"
-    assert "--num-decode" in (args := _serve_args(docs)) and args[args.index("--num-decode") + 1] == "2"
+    assert "--num-decode" in (args := serve_args(docs)) and args[args.index("--num-decode") + 1] == "2"
 
 
 def test_gpu_values_give_each_worker_group_gpus(helm):
@@ -232,7 +218,7 @@ def test_gpu_values_give_each_worker_group_gpus(helm):
     head = ray_cluster_spec(docs)["headGroupSpec"]
     assert "nvidia.com/gpu" not in head["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert "nvidia.com/gpu" not in gateway_container(docs)["resources"]["limits"]
-    cfg = _parse_serve(_serve_args(docs))
+    cfg = parse_serve(serve_args(docs))
     assert cfg.cluster.prefill_num_gpus == 1.0 and cfg.cluster.decode_num_gpus == 1.0
 
 
@@ -330,7 +316,7 @@ def test_gateway_script_stops_both_processes_on_sigterm(helm, tmp_path):
 
 
 def test_default_serve_flags_parse_with_the_project_cli(helm):
-    cfg = _parse_serve(_serve_args(helm.render()))
+    cfg = parse_serve(serve_args(helm.render()))
     assert cfg.model == "tiny"
     assert (cfg.cluster.address, cfg.cluster.placement) == ("auto", "resources")
     assert (cfg.server.host, cfg.server.port) == ("0.0.0.0", 8000)
@@ -338,31 +324,9 @@ def test_default_serve_flags_parse_with_the_project_cli(helm):
     assert cfg.tier.offload is True and cfg.tier.device_budget_bytes == 256 * MiB and cfg.tier.host_pool_bytes is None
 
 
-def test_every_serving_value_reaches_hisparse_serve(helm):
-    sets = (
-        "model.path=/models/dsv4", "model.servedModelName=dsv4-chat", "serve.offload=off", "serve.hotBufferSlots=96",
-        "serve.reservedSlots=4", "serve.deviceBudget=40GiB", "serve.hostPoolBytes=2.5GB", "serve.maxRunning=32",
-        "serve.maxBatchTokens=4096", "serve.maxConcurrentRequests=100", "serve.maxRestarts=5", "serve.layoutLeaseSeconds=12.5",
-        "serve.blockTokens=512", "prefill.replicas=2", "prefill.maxReplicas=2", "decode.replicas=3", "decode.maxReplicas=4",
-        "prefill.actorCpus=2", "decode.actorCpus=0.5", "serve.extraArgs={--verbose-flag-for-test}",
-    )
-    args = _serve_args(helm.render(sets=sets))
-    assert args[-1] == "--verbose-flag-for-test"
-    cfg = _parse_serve(args[:-1])
-    assert (cfg.model, cfg.server.served_model_name) == ("/models/dsv4", "dsv4-chat")
-    t = cfg.tier
-    assert (t.offload, t.hot_buffer_slots, t.reserved_slots, t.max_running, t.block_tokens) == (False, 96, 4, 32, 512)
-    assert (t.device_budget_bytes, t.host_pool_bytes) == (40 * GiB, 2_500_000_000)
-    assert (cfg.prefill.max_batch_tokens, cfg.prefill.layout_lease_s) == (4096, 12.5)
-    c = cfg.cluster
-    assert (c.num_prefill, c.num_decode, c.max_restarts, c.transport) == (2, 3, 5, "object_store")
-    assert (c.prefill_num_cpus, c.decode_num_cpus) == (2.0, 0.5)
-    assert cfg.server.max_concurrent_requests == 100
-
-
 def test_explicit_actor_counts_win_over_replicas(helm):
-    args = _serve_args(helm.render(sets=("serve.numDecode=1", "decode.replicas=2", "decode.maxReplicas=2")))
-    assert _parse_serve(args).cluster.num_decode == 1
+    args = serve_args(helm.render(sets=("serve.numDecode=1", "decode.replicas=2", "decode.maxReplicas=2")))
+    assert parse_serve(args).cluster.num_decode == 1
 
 
 @pytest.mark.parametrize("spelling,expected", [("on", "on"), ("off", "off"), ("true", "on"), ("false", "off")])
@@ -370,7 +334,7 @@ def test_offload_accepts_on_off_and_yaml_booleans(helm, tmp_path, spelling, expe
     # Unquoted on/off are booleans to Helm's YAML 1.1 reader; both forms must reach --offload as on/off.
     values = tmp_path / "offload.yaml"
     values.write_text(f"serve:\n  offload: {spelling}\n")
-    args = _serve_args(helm.render((str(values),)))
+    args = serve_args(helm.render((str(values),)))
     assert args[args.index("--offload") + 1] == expected
 
 
@@ -446,7 +410,7 @@ def test_model_pvc_is_mounted_read_only_where_the_model_is_read(helm):
             continue
         assert vols["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}, role
         assert {"name": "model", "mountPath": "/models", "readOnly": True} in container["volumeMounts"], role
-    assert _parse_serve(_serve_args(docs)).model == "/models/m"
+    assert parse_serve(serve_args(docs)).model == "/models/m"
     rs = helm.render(sets=("mode=rayservice", "model.pvc.claimName=models", "model.pvc.subPath=v4"))
     mounts = {role: c["volumeMounts"] for role, c, _ in _containers(rs)}
     assert set(mounts) == {"head", "prefill", "decode"}  # Serve replicas may run anywhere, the head included
@@ -466,7 +430,7 @@ def test_rayservice_runs_the_builder_with_the_serve_flags(helm):
     argv = app["args"]["argv"]
     assert all(isinstance(a, str) for a in argv), argv
     assert not {"--address", "--host", "--port"} & set(argv)
-    cfg = _parse_serve(argv)
+    cfg = parse_serve(argv)
     assert cfg.tier.offload is False and cfg.tier.device_budget_bytes == GiB and cfg.cluster.placement == "resources"
     assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
     assert spec["serveService"]["metadata"]["name"] == GATEWAY
@@ -512,15 +476,7 @@ def test_prometheus_scrape_annotations(helm):
 
 
 def test_notes_explain_how_to_reach_the_api(helm, tmp_path):
-    # helm template leaves NOTES.txt out; in a scratch copy of the chart, render it as a string field.
-    chart = tmp_path / "hisparse"
-    shutil.copytree(CHART_DIR, chart)
-    text = (chart / "templates" / "NOTES.txt").read_text()
-    (chart / "templates" / "notes-copy.yaml").write_text(
-        '{{- define "notes-copy" }}' + text + '{{ end }}\nkind: NotesCopy\nnotes: {{ include "notes-copy" . | toJson }}\n')
-    proc = helm.template_raw(chart=chart)
-    assert proc.returncode == 0, proc.stderr
-    (notes,) = [d["notes"] for d in yaml.safe_load_all(proc.stdout) if d and d.get("kind") == "NotesCopy"]
+    notes = render_notes(helm, tmp_path)
     assert f"kubectl -n {NAMESPACE} port-forward svc/{GATEWAY} 8000:8000" in notes
     assert "/v1/completions" in notes and "/health" in notes
 
@@ -548,6 +504,20 @@ def test_notes_explain_how_to_reach_the_api(helm, tmp_path):
         ("replicas=2", "Additional property replicas"),
         ("decode.replica=2", "Additional property replica"),
         ("gateway.env[0].name=LEVEL,gateway.env[0].value=1", "gateway.env.0.value"),
+        ("serve.layoutLeaseSeconds=30", "Additional property layoutLeaseSeconds"),
+        ("serve.queueTimeoutSeconds=0", "serve.queueTimeoutSeconds"),
+        ("serve.tokenTimeoutSeconds=-5", "serve.tokenTimeoutSeconds"),
+        ("serve.subscriberTimeoutSeconds=2", "serve.subscriberTimeoutSeconds"),
+        ("serve.maxQueuedRequests=0", "serve.maxQueuedRequests"),
+        ("serve.maxRequestRetries=-1", "serve.maxRequestRetries"),
+        ("serve.streamInterval=0", "serve.streamInterval"),
+        ("serve.maxSequencesPerRequest=0", "serve.maxSequencesPerRequest"),
+        ("serve.maxBodyBytes=lots", "serve.maxBodyBytes"),
+        ("gateway.apiWorkers=0", "gateway.apiWorkers"),
+        ("gateway.apiKey.enabled=yes", "gateway.apiKey.enabled"),
+        ("gateway.apiKey.secretKey=a/b", "gateway.apiKey.secretKey"),
+        ("gateway.apiKey.existingSecret=Not_A_Name", "gateway.apiKey.existingSecret"),
+        ("gateway.apiKey.apiKey=x", "Additional property apiKey"),
     ],
 )
 def test_schema_rejects_bad_values(helm, bad, field):

@@ -23,7 +23,11 @@ RENDERS = {
     "cpu-example": (("values-cpu-example.yaml",), ()),
     "rayservice": ((), ("mode=rayservice",)),
     "rayservice-gpu": (("values-gpu.yaml",), ("mode=rayservice",)),
+    "api-key-created": ((), ("gateway.apiKey.enabled=true", "gateway.apiKey.create=true", "gateway.apiKey.value=k3y")),
+    "rayservice-api-key-created": ((), ("mode=rayservice", "gateway.apiKey.enabled=true", "gateway.apiKey.create=true",
+                                        "gateway.apiKey.value=k3y", "env[0].name=RAY_BACKEND_LOG_LEVEL", "env[0].value=debug")),
     "everything-on": ((), (
+        "gateway.apiKey.enabled=true", "gateway.apiKey.existingSecret=llm-key", "gateway.apiWorkers=2",
         "ingress.enabled=true", "ingress.tls[0].secretName=tls", "ingress.tls[0].hosts[0]=hisparse.example.com",
         "metrics.serviceMonitor.enabled=true", "metrics.podMonitor.enabled=true", "autoscaling.enabled=true",
         "model.pvc.claimName=models", "model.path=/models/m", "head.nodeSelector.pool=cpu", "rayClusterUpgradeStrategy=Recreate",

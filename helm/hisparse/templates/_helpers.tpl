@@ -160,7 +160,17 @@ Byte sizes go out as integer bytes, which every spelling of `hisparse serve` acc
 {{- $a = concat $a (list "--max-batch-tokens" (include "hisparse.int" $s.maxBatchTokens)) -}}
 {{- $a = concat $a (list "--max-concurrent-requests" (include "hisparse.int" $s.maxConcurrentRequests)) -}}
 {{- $a = concat $a (list "--max-restarts" (include "hisparse.int" $s.maxRestarts)) -}}
-{{- $a = concat $a (list "--layout-lease-s" (include "hisparse.str" $s.layoutLeaseSeconds)) -}}
+{{- $a = concat $a (list "--max-sequences-per-request" (include "hisparse.int" $s.maxSequencesPerRequest)) -}}
+{{- $a = concat $a (list "--max-body-bytes" (include "hisparse.bytes" $s.maxBodyBytes)) -}}
+{{- $a = concat $a (list "--stream-interval" (include "hisparse.int" $s.streamInterval)) -}}
+{{- $a = concat $a (list "--queue-timeout-s" (include "hisparse.str" $s.queueTimeoutSeconds)) -}}
+{{- $a = concat $a (list "--max-queued-requests" (include "hisparse.int" $s.maxQueuedRequests)) -}}
+{{- $a = concat $a (list "--prefill-timeout-s" (include "hisparse.str" $s.prefillTimeoutSeconds)) -}}
+{{- $a = concat $a (list "--handoff-timeout-s" (include "hisparse.str" $s.handoffTimeoutSeconds)) -}}
+{{- $a = concat $a (list "--token-timeout-s" (include "hisparse.str" $s.tokenTimeoutSeconds)) -}}
+{{- $a = concat $a (list "--max-request-retries" (include "hisparse.int" $s.maxRequestRetries)) -}}
+{{- $a = concat $a (list "--subscriber-timeout-s" (include "hisparse.str" $s.subscriberTimeoutSeconds)) -}}
+{{- $a = concat $a (list "--step-hang-s" (include "hisparse.str" $s.stepHangSeconds)) -}}
 {{- $a = concat $a (list "--offload" (include "hisparse.offload" .)) -}}
 {{- if not (kindIs "invalid" $s.hotBufferSlots) -}}
 {{- $a = concat $a (list "--hot-buffer-slots" (include "hisparse.int" $s.hotBufferSlots)) -}}
@@ -178,6 +188,43 @@ Byte sizes go out as integer bytes, which every spelling of `hisparse serve` acc
 {{- $a = append $a (include "hisparse.str" .) -}}
 {{- end -}}
 {{- toJson $a -}}
+{{- end -}}
+
+{{/* ---------------------------------------------------------------- gateway: CPU and API key */}}
+
+{{/* The gateway container's CPU request and limit: gateway.cpu per gateway process x apiWorkers. */}}
+{{- define "hisparse.gatewayCpu" -}}
+{{- $gw := .Values.gateway -}}
+{{- /* Whole millicores per process first, so 0.1 x 1000 x 3 cannot round up to 301m. */ -}}
+{{- $milli := mul (round (mulf (float64 (include "hisparse.cores" $gw.cpu)) 1000.0) 0 | int64) (int64 $gw.apiWorkers) -}}
+{{- if eq (mod $milli 1000) 0 -}}
+{{- div $milli 1000 -}}
+{{- else -}}
+{{- printf "%dm" $milli -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Name of the Secret holding the API key: gateway.apiKey.existingSecret, or the one the chart creates. */}}
+{{- define "hisparse.apiKeySecretName" -}}
+{{- .Values.gateway.apiKey.existingSecret | default (printf "%s-api-key" (include "hisparse.fullname" .)) -}}
+{{- end -}}
+
+{{/*
+The HISPARSE_API_KEY environment variable as a YAML list (empty with the key off), read from the
+Secret by the kubelet: the key never appears in a manifest, an argument or an annotation.
+optional: false, so a missing Secret or key keeps the container from starting (fails closed).
+*/}}
+{{- define "hisparse.apiKeyEnvName" -}}HISPARSE_API_KEY{{- end -}}
+
+{{- define "hisparse.apiKeyEnv" -}}
+{{- if .Values.gateway.apiKey.enabled -}}
+- name: {{ include "hisparse.apiKeyEnvName" . }}
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "hisparse.apiKeySecretName" . }}
+      key: {{ .Values.gateway.apiKey.secretKey | quote }}
+      optional: false
+{{- end }}
 {{- end -}}
 
 {{/* ---------------------------------------------------------------- checks the schema cannot express */}}
@@ -207,6 +254,21 @@ Byte sizes go out as integer bytes, which every spelling of `hisparse serve` acc
 {{- end -}}
 {{- if and (ne .Values.serve.transport "object_store") (or (eq (float64 .Values.prefill.actorGpus) 0.0) (eq (float64 .Values.decode.actorGpus) 0.0)) -}}
 {{- fail (printf "serve.transport=%s moves tensors GPU to GPU: give prefill.actorGpus and decode.actorGpus at least one GPU, or use object_store" .Values.serve.transport) -}}
+{{- end -}}
+{{- /* The API key settings themselves are checked by values.schema.json (so `helm lint` fails too). */ -}}
+{{- $envs := dict "env" .Values.env "head.env" .Values.head.env "prefill.env" .Values.prefill.env "decode.env" .Values.decode.env "gateway.env" .Values.gateway.env -}}
+{{- range $where, $list := $envs -}}
+{{- range $list -}}
+{{- if eq (toString .name) (include "hisparse.apiKeyEnvName" $) -}}
+{{- fail (printf "%s sets %s: the chart sets it from a Secret; use gateway.apiKey instead" $where (include "hisparse.apiKeyEnvName" $)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- range .Values.serve.extraArgs -}}
+{{- /* argparse also takes the unambiguous abbreviations --api-k and --api-ke. */ -}}
+{{- if regexMatch "^--api-k(ey?)?(=|$)" (toString .) -}}
+{{- fail "serve.extraArgs has --api-key, which would put the key in the pod spec and the process list; use gateway.apiKey (a Secret) instead" -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
@@ -307,9 +369,16 @@ spec:
       image: {{ include "hisparse.image" $root }}
       imagePullPolicy: {{ $root.Values.image.pullPolicy }}
       {{- $env := concat ($root.Values.env | default list) ($g.env | default list) }}
-      {{- with $env }}
+      {{- /* rayservice: the Serve application (build task and replica) may run in any Ray pod. */ -}}
+      {{- $keyEnv := ternary (include "hisparse.apiKeyEnv" $root) "" (eq $root.Values.mode "rayservice") }}
+      {{- if or $env $keyEnv }}
       env:
+        {{- with $env }}
         {{- toYaml . | nindent 8 }}
+        {{- end }}
+        {{- with $keyEnv }}
+        {{- . | nindent 8 }}
+        {{- end }}
       {{- end }}
       ports:
         {{- if eq .role "head" }}
