@@ -258,8 +258,11 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         print("hisparse generate: give --prompt TEXT or --prompt-ids 1,2,3", file=sys.stderr)
         return 2
+    from model.config import end_of_sequence_ids
+
+    eos_ids = end_of_sequence_ids(model_dir, model.cfg, tok.eos_token_ids if tok is not None else ())
     try:
-        engine = InProcessEngine(model, tier)
+        engine = InProcessEngine(model, tier, eos_ids=eos_ids)
         done = engine.generate([GenerateRequest("generate-0", tuple(prompt_ids), params)])["generate-0"]
     except Exception as e:  # configuration and admission errors carry their remedy in the message
         from core.types import HisparseError
