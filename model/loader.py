@@ -102,6 +102,29 @@ def _files(model_dir: Path) -> list[Path]:
     return files
 
 
+_PACKED_DTYPES = ("F8_E4M3", "F8_E8M0")
+
+
+def checkpoint_is_packed(model_dir: str | Path) -> bool | None:
+    """Whether a checkpoint stores FP8/FP4 tensors (read from the safetensors headers only; no weights are
+    loaded). None when the directory holds no safetensors files (a config alone)."""
+    model_dir = Path(model_dir)
+    try:
+        files = _files(model_dir)
+    except CheckpointError:
+        return None
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    dtype = fh.get_slice(k).get_dtype()
+                    if dtype in _PACKED_DTYPES or (dtype in ("I8", "U8") and _EXPERT.match(canonical_name(k))):
+                        return True
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(f"cannot read {f}: {e}") from None
+    return False
+
+
 def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for f in _files(model_dir):
