@@ -360,3 +360,12 @@ def test_plan_command_reads_packedness_from_the_checkpoint(realformat_dir, tiny_
     assert packed["weights"]["mode"] == "packed" and plain["weights"]["mode"] == "dequantize"
     w = packed["weights"]
     assert w["bytes_used"] == w["served_bytes"] < w["dequantized_served_bytes"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine the script runs its checks instead")
+def test_gpu_check_script_says_when_there_is_no_cuda(capsys):
+    from bench import gpu_check_weights
+
+    gpu_check_weights.main([])
+    out = json.loads(capsys.readouterr().out)
+    assert out["cuda"] is False and out["checks"] == [] and "no CUDA" in out["message"]
