@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -148,8 +149,6 @@ def main(argv: list[str] | None = None) -> None:
     from model.realformat import realformat_config, write_realformat_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="bench-weights-") as tmp:
-        from pathlib import Path
-
         model_dir = write_realformat_checkpoint(Path(tmp))
         cfg = realformat_config()
         progress("resident bytes")

@@ -229,8 +229,8 @@ def _to_canonical(
         if m:
             experts[m.group(1)][int(m.group(2))][m.group(3)] = (t, scale)
             continue
-        module = cname[: -len(".weight")]
-        if scale is not None and packed and t.dtype == torch.float8_e4m3fn and _fp8_packable(module, cfg):
+        module = cname[: -len(".weight")] if cname.endswith(".weight") else None
+        if scale is not None and packed and t.dtype == torch.float8_e4m3fn and module and _fp8_packable(module, cfg):
             out[cname] = t
             out[f"{module}.scale"] = e8m0_to_float(scale)
             kinds[module] = FP8
