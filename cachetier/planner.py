@@ -60,6 +60,12 @@ indexer key projections and router weights in bf16; sinks, compressor position b
 and the hyper-connection parameters in fp32; the hash-routing table in int64. The served model
 excludes the multi-token-prediction block (this project does not serve it); the checkpoint estimate
 adds it back for comparison with published sizes.
+
+What the GPUs hold depends on the weight mode (`core.config.WEIGHT_MODES`): `packed` (the default, and
+what the loader does with a packed checkpoint) keeps those formats resident, so the estimate above is
+also the resident size (the loader widens FP8 tile scales to fp32: 3 more bytes per 16,384 weights, not
+counted); `dequantize` expands every FP8 and FP4 matrix to bf16 (2 bytes per weight, no scales). A
+checkpoint without packed tensors is planned as `dequantize`. Both figures are reported per GPU.
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ import math
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
-from core.config import CSA, HASH_MOE, SLIDING, ModelConfig
+from core.config import CSA, HASH_MOE, SLIDING, WEIGHT_MODES, WEIGHTS_DEQUANTIZE, WEIGHTS_PACKED, ModelConfig
 from core.roles import TierConfig
 
 # Cache kinds; the first five are spelled as in `cachetier.layout` (kept torch-free here on purpose).
@@ -91,6 +97,9 @@ SLOT_MAP_ENTRY_BYTES = 4
 
 STATE_FLOAT_BYTES = 4
 """The compressor rings hold fp32 values."""
+
+DEQUANTIZED_WEIGHT_BYTES = 2
+"""Bytes per weight of an FP8 or FP4 matrix expanded at load (`weights=dequantize`): bf16."""
 
 
 class PlanError(ValueError):
@@ -207,6 +216,12 @@ _STORAGE = MappingProxyType({
     _EMBED: "bf16",
     _MISC: "bf16 norms, fp32 sinks and hyper-connection parameters",
 })
+_DEQUANTIZED_STORAGE = MappingProxyType({
+    **_STORAGE,
+    _ROUTED: "bf16 (dequantized from fp4)",
+    _SHARED: "bf16 (dequantized from fp8)",
+    _ATTN: "bf16 (dequantized from fp8: q, kv, out, indexer q)",
+})
 
 
 def _fp8_matrix(rows: int, cols: int) -> tuple[int, int]:
@@ -217,13 +232,20 @@ def _fp4_matrix(rows: int, cols: int) -> tuple[int, int]:
     return rows * cols, rows * (math.ceil(cols / 2) + math.ceil(cols / 32))
 
 
-def _block(cfg: ModelConfig, kind: str, hash_routed: bool, add) -> None:
+def _dequantized_matrix(rows: int, cols: int) -> tuple[int, int]:
+    return rows * cols, DEQUANTIZED_WEIGHT_BYTES * rows * cols
+
+
+def _block(cfg: ModelConfig, kind: str, hash_routed: bool, add, weights: str = WEIGHTS_PACKED) -> None:
     """Add one transformer block's tensors (attention of `kind`, MoE, hyper-connections) through `add`."""
+    packed = weights == WEIGHTS_PACKED
+    fp8 = _fp8_matrix if packed else _dequantized_matrix
+    fp4 = _fp4_matrix if packed else _dequantized_matrix
     h, d, heads = cfg.hidden_size, cfg.head_dim, cfg.num_heads
     for rows, cols in ((cfg.q_lora_rank, h), (heads * d, cfg.q_lora_rank), (d, h),
                        (cfg.o_groups * cfg.o_lora_rank, heads * d // cfg.o_groups),
                        (h, cfg.o_groups * cfg.o_lora_rank)):
-        add(_ATTN, *_fp8_matrix(rows, cols))
+        add(_ATTN, *fp8(rows, cols))
     add(_MISC, 2 * h + cfg.q_lora_rank + d, 2 * (2 * h + cfg.q_lora_rank + d))  # attn/ffn/q/kv norms
     add(_MISC, heads, 4 * heads)  # attention sink logits
     if kind != SLIDING:
@@ -233,7 +255,7 @@ def _block(cfg: ModelConfig, kind: str, hash_routed: bool, add) -> None:
         add(_COMP, d, 2 * d)  # compressor norm
     if kind == CSA:
         di, ni = cfg.index_head_dim, cfg.index_n_heads
-        add(_ATTN, *_fp8_matrix(ni * di, cfg.q_lora_rank))  # indexer query projection
+        add(_ATTN, *fp8(ni * di, cfg.q_lora_rank))  # indexer query projection
         add(_COMP, ni * h, 2 * ni * h)  # per-head weights
         add(_COMP, 2 * 2 * di * h, 2 * 2 * 2 * di * h)  # indexer compressor kv + gate
         add(_COMP, cfg.csa_rate * 2 * di, 4 * cfg.csa_rate * 2 * di)
@@ -250,16 +272,20 @@ def _block(cfg: ModelConfig, kind: str, hash_routed: bool, add) -> None:
         add(_ROUTER, e, 4 * e)
     inter = cfg.moe_intermediate_size
     for rows, cols in ((inter, h), (inter, h), (h, inter)):  # gate, up, down
-        p, b = _fp4_matrix(rows, cols)
+        p, b = fp4(rows, cols)
         add(_ROUTED, e * p, e * b)
     shared = inter * cfg.n_shared_experts
     for rows, cols in ((shared, h), (shared, h), (h, shared)):
-        add(_SHARED, *_fp8_matrix(rows, cols))
+        add(_SHARED, *fp8(rows, cols))
 
 
-def estimate_weights(cfg: ModelConfig, num_mtp_layers: int = 1) -> WeightEstimate:
-    """Weight bytes of `cfg` in the published checkpoint formats (see the module docstring)."""
-    totals: dict[str, list[int]] = {k: [0, 0] for k in _STORAGE}
+def estimate_weights(cfg: ModelConfig, num_mtp_layers: int = 1, weights: str = WEIGHTS_PACKED) -> WeightEstimate:
+    """Weight bytes of `cfg` in the published checkpoint formats (`packed`, also what a packed load keeps
+    resident) or with every FP8/FP4 matrix in bf16 (`dequantize`); see the module docstring."""
+    if weights not in WEIGHT_MODES:
+        raise PlanError(f"unknown weights mode {weights!r}; expected one of {WEIGHT_MODES}")
+    storage = _STORAGE if weights == WEIGHTS_PACKED else _DEQUANTIZED_STORAGE
+    totals: dict[str, list[int]] = {k: [0, 0] for k in storage}
 
     def add(group: str, params: int, nbytes: int) -> None:
         totals[group][0] += params
@@ -271,8 +297,8 @@ def estimate_weights(cfg: ModelConfig, num_mtp_layers: int = 1) -> WeightEstimat
     add(_MISC, h, 2 * h)  # final norm
     add(_MISC, hc * hc * h + hc + 1, 4 * (hc * hc * h + hc + 1))  # stream-collapse head
     for i, kind in enumerate(cfg.layer_types):
-        _block(cfg, kind, cfg.mlp_kind(i) == HASH_MOE, add)
-    groups = tuple(WeightGroup(k, _STORAGE[k], p, b) for k, (p, b) in totals.items())
+        _block(cfg, kind, cfg.mlp_kind(i) == HASH_MOE, add, weights)
+    groups = tuple(WeightGroup(k, storage[k], p, b) for k, (p, b) in totals.items())
 
     mtp = [0, 0]
 
@@ -281,9 +307,9 @@ def estimate_weights(cfg: ModelConfig, num_mtp_layers: int = 1) -> WeightEstimat
         mtp[1] += nbytes
 
     for _ in range(num_mtp_layers):
-        _block(cfg, SLIDING, False, add_mtp)
+        _block(cfg, SLIDING, False, add_mtp, weights)
         for _proj in range(2):  # embedding and hidden-state input projections
-            add_mtp(_ATTN, *_fp8_matrix(h, h))
+            add_mtp(_ATTN, *(_fp8_matrix if weights == WEIGHTS_PACKED else _dequantized_matrix)(h, h))
         add_mtp(_MISC, 3 * h, 6 * h)  # their norms and the block's own final norm
         add_mtp(_MISC, hc * hc * h + hc + 1, 4 * (hc * hc * h + hc + 1))
     return WeightEstimate(groups, num_mtp_layers, mtp[0], mtp[1])
@@ -320,6 +346,12 @@ class PlanInputs:
     """Host memory available for the C4 pool across the machines of these GPUs; None: not checked."""
     num_mtp_layers: int = 1
     """Multi-token-prediction blocks in the checkpoint, counted only in the checkpoint-size estimate."""
+    weights: str = WEIGHTS_PACKED
+    """How the GPUs hold the weights: `packed` (FP8/FP4 as in the checkpoint, the loader's default) or
+    `dequantize` (those matrices expanded to bf16 at load)."""
+    checkpoint_packed: bool | None = None
+    """Whether the checkpoint stores FP8/FP4 tensors; False plans `dequantize` whatever `weights` says (there is
+    nothing to keep packed); None assumes the published formats."""
 
     def __post_init__(self) -> None:
         if self.context_len < 1:
@@ -342,6 +374,13 @@ class PlanInputs:
             raise PlanError(f"weight bytes must not be negative, got {self.weight_bytes}")
         if self.host_memory_bytes is not None and self.host_memory_bytes < 0:
             raise PlanError(f"host memory must not be negative, got {self.host_memory_bytes}")
+        if self.weights not in WEIGHT_MODES:
+            raise PlanError(f"unknown weights mode {self.weights!r}; expected one of {WEIGHT_MODES}")
+
+    @property
+    def weight_mode(self) -> str:
+        """The mode the GPUs will really use: `dequantize` for a checkpoint with nothing packed."""
+        return WEIGHTS_DEQUANTIZE if self.checkpoint_packed is False else self.weights
 
 
 @dataclass(frozen=True)
@@ -441,7 +480,10 @@ class Plan:
     compressor_state_per_layer: CompressorStateBytes
     """Compressor ring bytes per layer of each kind."""
     weights: WeightEstimate
-    """Estimated weights (ignored for the budget when `inputs.weight_bytes` is given)."""
+    """Estimated weights in the published checkpoint formats (ignored for the budget when `inputs.weight_bytes`
+    is given, and when the weights are dequantized)."""
+    dequantized_weights: WeightEstimate
+    """The same weights with every FP8/FP4 matrix in bf16 (what `weights=dequantize` keeps resident)."""
     weight_bytes: int
     """Whole-model weight bytes used for the budget."""
     weight_bytes_per_gpu: int
@@ -466,6 +508,13 @@ class Plan:
     """Concurrent requests with the tier when host memory is also a limit; None when not given."""
     notes: tuple[str, ...]
     """Warnings worth reading next to the numbers."""
+
+    @property
+    def weight_bytes_per_gpu_by_mode(self) -> dict[str, int]:
+        """Estimated resident weights per GPU in each mode (packed vs dequantized), for comparison."""
+        n = self.inputs.num_gpus
+        return {WEIGHTS_PACKED: math.ceil(self.weights.served_bytes / n),
+                WEIGHTS_DEQUANTIZE: math.ceil(self.dequantized_weights.served_bytes / n)}
 
     @property
     def tokens_without_tier(self) -> int:
@@ -545,8 +594,11 @@ class Plan:
                 "kv_budget_bytes": self.kv_budget_bytes_per_gpu * self.inputs.num_gpus,
             },
             "weights": {
+                "mode": self.inputs.weight_mode,
                 "bytes_used": self.weight_bytes,
                 "estimated": self.inputs.weight_bytes is None,
+                "bytes_per_gpu_by_mode": self.weight_bytes_per_gpu_by_mode,
+                "dequantized_served_bytes": self.dequantized_weights.served_bytes,
                 "served_bytes": w.served_bytes,
                 "served_params": w.served_params,
                 "checkpoint_bytes": w.checkpoint_bytes,
@@ -611,7 +663,11 @@ def plan(cfg: ModelConfig, inputs: PlanInputs) -> Plan:
         raise PlanError(f"context {inputs.context_len} exceeds the model's {cfg.max_position_embeddings} positions")
 
     weights = estimate_weights(cfg, inputs.num_mtp_layers)
-    weight_bytes = inputs.weight_bytes if inputs.weight_bytes is not None else weights.served_bytes
+    dequantized = estimate_weights(cfg, inputs.num_mtp_layers, WEIGHTS_DEQUANTIZE)
+    resident = weights if inputs.weight_mode == WEIGHTS_PACKED else dequantized
+    weight_bytes = inputs.weight_bytes if inputs.weight_bytes is not None else resident.served_bytes
+    if inputs.checkpoint_packed is False and inputs.weights == WEIGHTS_PACKED:
+        notes.append("the checkpoint stores no FP8/FP4 tensors, so its weights are planned as dequantized (bf16)")
     weight_per_gpu = math.ceil(weight_bytes / inputs.num_gpus)
     reserve = math.ceil(inputs.device_bytes_per_gpu * inputs.activation_reserve)
     budget = inputs.device_bytes_per_gpu - reserve - weight_per_gpu
@@ -619,7 +675,7 @@ def plan(cfg: ModelConfig, inputs: PlanInputs) -> Plan:
         raise PlanError(
             f"nothing left for KV: {weight_per_gpu / 1e9:.2f} GB of weights and {reserve / 1e9:.2f} GB of activation "
             f"reserve per GPU exceed the {inputs.device_bytes_per_gpu / 1e9:.2f} GB of each of {inputs.num_gpus} GPUs; "
-            f"use more GPUs or larger ones"
+            f"use more GPUs or larger ones" + (", or keep the weights packed" if resident is dequantized else "")
         )
 
     per_tok = token_bytes(cfg, inputs.kv_format, inputs.index_format)
@@ -662,6 +718,7 @@ def plan(cfg: ModelConfig, inputs: PlanInputs) -> Plan:
         hot_buffer_slots=slots,
         compressor_state_per_layer=compressor_state_bytes(cfg),
         weights=weights,
+        dequantized_weights=dequantized,
         weight_bytes=weight_bytes,
         weight_bytes_per_gpu=weight_per_gpu,
         activation_reserve_bytes_per_gpu=reserve,

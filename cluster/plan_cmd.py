@@ -15,7 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from cachetier.planner import GPU_MEMORY_BYTES, INDEX_FORMATS, KV_FORMATS, Plan, PlanError, PlanInputs, plan
-from core.config import ModelConfig
+from core.config import WEIGHT_MODES, WEIGHTS_PACKED, ModelConfig
 from core.presets import PRESETS
 from core.roles import TierConfig, format_bytes, parse_bytes
 
@@ -67,6 +67,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="share of each GPU's memory kept for activations (default 0.10)")
     p.add_argument("--weight-bytes", type=_bytes, default=None, metavar="BYTES",
                    help="whole-model weight bytes, replacing the estimate (e.g. a measured checkpoint size)")
+    p.add_argument("--weights", choices=WEIGHT_MODES, default=WEIGHTS_PACKED,
+                   help="packed: FP8/FP4 matrices stay packed on the GPUs (default, as the loader does); "
+                        "dequantize: expanded to bf16 at load")
     p.add_argument("--host-memory", type=_bytes, default=None, metavar="BYTES",
                    help="host memory for the C4 pool across these GPUs' machines (e.g. 2TiB); flags when exceeded")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -98,6 +101,19 @@ def resolve_model(name: str) -> ModelConfig:
     raise PlanError(f"unknown --model {name!r}: use one of {sorted(PRESETS)} or a model directory with a config.json")
 
 
+def checkpoint_packed(name: str) -> bool | None:
+    """Whether the model's checkpoint stores FP8/FP4 tensors: presets do; a directory is read (headers
+    only); None for a directory without safetensors files."""
+    if name in PRESETS:
+        return True
+    from model.loader import CheckpointError, checkpoint_is_packed
+
+    try:
+        return checkpoint_is_packed(name)
+    except CheckpointError as e:
+        raise PlanError(str(e)) from None
+
+
 def resolve_gpu(text: str) -> tuple[int, str | None]:
     """A GPU preset name or a byte count -> (bytes per GPU, preset name or None)."""
     key = text.strip().lower()
@@ -120,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
             kv_format=args.kv_format, index_format=args.index_format, hot_buffer_slots=args.hot_buffer_slots,
             reserved_slots=args.reserved_slots, activation_reserve=args.activation_reserve,
             weight_bytes=args.weight_bytes, host_memory_bytes=args.host_memory,
+            weights=args.weights, checkpoint_packed=checkpoint_packed(args.model),
         )
         result = plan(cfg, inputs)
     except PlanError as e:
@@ -172,6 +189,11 @@ def render(p: Plan, published_checkpoint_bytes: int | None = None) -> str:
     if published_checkpoint_bytes:
         delta = w.checkpoint_bytes / published_checkpoint_bytes - 1
         lines.append(f"  published checkpoint: ~{published_checkpoint_bytes / 1e9:.0f} GB (estimate {delta:+.1%})")
+    by_mode = p.weight_bytes_per_gpu_by_mode
+    lines.append(
+        f"  resident per GPU: packed {_gb(by_mode['packed'])}, dequantized to bf16 {_gb(by_mode['dequantize'])} "
+        f"(served model over {i.num_gpus} GPUs; the budget uses {i.weight_mode})"
+    )
     if i.weight_bytes is not None:
         lines.append(f"  the budget uses --weight-bytes {_gb(i.weight_bytes)} instead of the estimate")
     lines += [

@@ -16,6 +16,13 @@ LAYER_KINDS = (SLIDING, CSA, HCA)
 HASH_MOE = "hash_moe"
 MOE = "moe"
 
+WEIGHTS_PACKED = "packed"
+"""Weight mode: FP8 linears and FP4 experts stay in their checkpoint formats and kernels compute on them
+(the default; a checkpoint without packed tensors loads the same either way)."""
+WEIGHTS_DEQUANTIZE = "dequantize"
+"""Weight mode: every packed tensor is expanded to the model dtype at load (the reference path)."""
+WEIGHT_MODES = (WEIGHTS_PACKED, WEIGHTS_DEQUANTIZE)
+
 
 @dataclass(frozen=True)
 class YarnScaling:

@@ -293,6 +293,9 @@ class Attention(nn.Module):
     def output(self, o: torch.Tensor, unrotate) -> torch.Tensor:
         """Attention output o [tokens, heads, dim] -> [tokens, hidden]: undo the value rotation, grouped projection."""
         o = unrotate(o).flatten(-2).unflatten(-1, (self.o_groups, -1))  # [tokens, groups, group_width]
-        w = self.wo_a.weight.unflatten(0, (self.o_groups, -1))  # [groups, o_lora, group_width]
-        grouped = torch.einsum("tgi,goi->tgo", o, w).flatten(-2)
-        return self.wo_b(grouped)
+        if isinstance(self.wo_a, nn.Linear):
+            w = self.wo_a.weight.unflatten(0, (self.o_groups, -1))  # [groups, o_lora, group_width]
+            grouped = torch.einsum("tgi,goi->tgo", o, w)
+        else:  # packed weights (model.packed.FP8Linear) run their own grouped kernel
+            grouped = self.wo_a.grouped(o)  # [tokens, groups, o_lora]
+        return self.wo_b(grouped.flatten(-2))

@@ -5,7 +5,9 @@ Accepted weight spellings, all mapped onto this project's (= DeepSeek's) names:
 - HF's module names (`model.layers.0.self_attn.q_a_proj.weight`, stacked `mlp.experts.gate_up_proj`);
 - what HF `save_pretrained` writes (DeepSeek names under `model.`, `attn.norm` for the KV norm).
 FP8 (e4m3) weights with 128x128 block scales and FP4 (e2m1, two per byte) expert weights with
-32-wide block scales are dequantized on load.
+32-wide block scales either stay packed (`weights="packed"`, the default: `model.packed` modules compute
+on them) or are dequantized to the model dtype (`weights="dequantize"`, the reference path). Formats:
+`kernels.formats`; what stays packed: linears stored as FP8 and routed-expert stacks stored as FP4.
 """
 
 from __future__ import annotations
@@ -20,9 +22,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from core.config import ModelConfig
+from core.config import WEIGHT_MODES, WEIGHTS_DEQUANTIZE, WEIGHTS_PACKED, ModelConfig
+from kernels.formats import FP4_BLOCK, FP8_BLOCK, dequant_fp4, dequant_fp8, e8m0_to_float, float_to_e8m0
 from model.config import load_config, to_hf_dict
 from model.model import V4Model
+from model.packed import FP4_EXPERTS, FP8, resident_bytes, swap_in_packed
+from model.rope import rotaries
+
+__all__ = ["dequant_fp4", "dequant_fp8"]  # the format decoders live in kernels.formats; re-exported for callers
 
 log = logging.getLogger(__name__)
 
@@ -69,38 +76,12 @@ _EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
 _SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
 _HC_SCALE = re.compile(r"(attn|ffn)_hc\.scale$")  # hyper-connection parameters, not quantization scales
 _IGNORED = re.compile(r"^(mtp\.|model\.mtp\.)")
-_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
 def canonical_name(name: str) -> str:
     for pat, rep in _RENAMES_RE:
         name = pat.sub(rep, name)
     return name
-
-
-def _scale_to_float(scale: torch.Tensor) -> torch.Tensor:
-    if scale.dtype == getattr(torch, "float8_e8m0fnu", None):
-        return scale.float()
-    if scale.dtype == torch.uint8:  # raw e8m0 exponents
-        return torch.exp2(scale.float() - 127)
-    return scale.float()
-
-
-def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """e4m3 weight [out, in] with one scale per block x block tile -> fp32."""
-    s = _scale_to_float(scale)
-    out, inn = weight.shape
-    s = s.repeat_interleave(block, 0)[:out].repeat_interleave(block, 1)[:, :inn]
-    return weight.float() * s
-
-
-def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, block: int = 32) -> torch.Tensor:
-    """e2m1 pairs packed in int8 [out, in/2] (low nibble first) with one scale per `block` inputs -> fp32."""
-    b = packed.view(torch.uint8)
-    lo, hi = (b & 0x0F).long(), (b >> 4).long()
-    vals = _E2M1.to(packed.device)[torch.stack((lo, hi), dim=-1).flatten(-2)]  # [out, in]
-    s = _scale_to_float(scale).repeat_interleave(block, dim=-1)[..., : vals.shape[-1]]
-    return vals * s
 
 
 def _files(model_dir: Path) -> list[Path]:
@@ -121,6 +102,29 @@ def _files(model_dir: Path) -> list[Path]:
     return files
 
 
+_PACKED_DTYPES = ("F8_E4M3", "F8_E8M0")
+
+
+def checkpoint_is_packed(model_dir: str | Path) -> bool | None:
+    """Whether a checkpoint stores FP8/FP4 tensors (read from the safetensors headers only; no weights are
+    loaded). None when the directory holds no safetensors files (a config alone)."""
+    model_dir = Path(model_dir)
+    try:
+        files = _files(model_dir)
+    except CheckpointError:
+        return None
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    dtype = fh.get_slice(k).get_dtype()
+                    if dtype in _PACKED_DTYPES or (dtype in ("I8", "U8") and _EXPERT.match(canonical_name(k))):
+                        return True
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(f"cannot read {f}: {e}") from None
+    return False
+
+
 def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for f in _files(model_dir):
@@ -133,8 +137,71 @@ def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _to_canonical(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename, dequantize and stack experts; scales are consumed, `mtp.*` dropped."""
+def _check_scale(name: str, t: torch.Tensor, scale: torch.Tensor) -> None:
+    """The scale layouts this loader reads: FP8 one per 128x128 tile, FP4 one per 32 inputs."""
+    if t.dtype == torch.float8_e4m3fn:
+        want = (-(-t.shape[0] // FP8_BLOCK), -(-t.shape[1] // FP8_BLOCK))
+        layout = f"one per {FP8_BLOCK}x{FP8_BLOCK} tile"
+    elif t.dtype in (torch.int8, torch.uint8):
+        want = (*t.shape[:-1], -(-2 * t.shape[-1] // FP4_BLOCK))
+        layout = f"one per {FP4_BLOCK} inputs of packed e2m1"
+    else:
+        raise CheckpointError(f"tensor {name} has a scale but dtype {t.dtype} (expected FP8 or packed FP4)")
+    if tuple(scale.shape) != want:
+        raise CheckpointError(f"scale of {name} has shape {tuple(scale.shape)}, expected {want} ({layout})")
+
+
+def _dequant(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return dequant_fp8(t, scale) if t.dtype == torch.float8_e4m3fn else dequant_fp4(t, scale)
+
+
+def _fp8_packable(module: str, cfg: ModelConfig | None) -> bool:
+    # The grouped output projection runs one FP8 linear per group, so groups must end on scale tiles.
+    if module.endswith(".attn.wo_a") and cfg is not None and cfg.o_lora_rank % FP8_BLOCK:
+        log.info("%s stays dequantized: o_lora_rank %d is not a multiple of %d", module, cfg.o_lora_rank, FP8_BLOCK)
+        return False
+    return True
+
+
+def _stack_experts(prefix: str, by_id: dict[int, dict[str, tuple]], packed: bool) -> tuple[dict[str, torch.Tensor], bool]:
+    """Per-expert (w1, w3, w2) -> stacked gate_up/down, kept as FP4 (+ `_scale`) when all of them can be."""
+    ids = sorted(by_id)
+    if ids != list(range(len(ids))):
+        raise CheckpointError(f"{prefix}: expert ids are not contiguous from 0 (found {ids[:8]}...)")
+    try:
+        parts = [[by_id[e][w] for w in ("w1", "w3", "w2")] for e in ids]
+    except KeyError as e:
+        raise CheckpointError(f"{prefix}: an expert lacks its {e.args[0]} weight") from None
+    flat = [p for expert in parts for p in expert]
+    if packed and all(s is not None and t.dtype in (torch.int8, torch.uint8) for t, s in flat):
+        try:
+            flat = [(t.view(torch.int8), float_to_e8m0(s)) for t, s in flat]
+        except ValueError:
+            log.warning("%s: FP4 scales are not UE8M0 powers of two; these experts are dequantized", prefix)
+        else:
+            parts = [flat[i : i + 3] for i in range(0, len(flat), 3)]
+            out = {}
+            for name, pick in (("gate_up", lambda p: torch.cat((p[0], p[1]))), ("down", lambda p: p[2])):
+                out[f"{prefix}.{name}"] = torch.stack([pick([t for t, _ in p]) for p in parts])
+                out[f"{prefix}.{name}_scale"] = torch.stack([pick([s for _, s in p]) for p in parts])
+            return out, True
+    dense = [[t if s is None else _dequant(t, s) for t, s in p] for p in parts]
+    return {
+        f"{prefix}.gate_up": torch.stack([torch.cat((p[0], p[1])) for p in dense]),
+        f"{prefix}.down": torch.stack([p[2] for p in dense]),
+    }, False
+
+
+def _to_canonical(
+    raw: dict[str, torch.Tensor], weights: str = WEIGHTS_DEQUANTIZE, cfg: ModelConfig | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Rename, keep packed or dequantize, and stack experts; `mtp.*` dropped.
+
+    Returns (tensors in our names, module path -> packed kind for the modules that stay packed).
+    """
+    if weights not in WEIGHT_MODES:
+        raise ValueError(f"unknown weights mode {weights!r}; expected one of {WEIGHT_MODES}")
+    packed = weights == WEIGHTS_PACKED
     scales = {}
     plain = {}
     for name, t in raw.items():
@@ -146,44 +213,41 @@ def _to_canonical(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             continue
         plain[name] = t
     out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
+    kinds: dict[str, str] = {}
+    experts: dict[str, dict[int, dict[str, tuple]]] = defaultdict(lambda: defaultdict(dict))
     for name, t in plain.items():
         stem = name[: -len(".weight")] if name.endswith(".weight") else name
         scale = scales.pop(stem, None)
         if scale is None:
             scale = scales.pop(name, None)
         if scale is not None:
-            if t.dtype == torch.float8_e4m3fn:
-                t = dequant_fp8(t, scale)
-            elif t.dtype in (torch.int8, torch.uint8):
-                t = dequant_fp4(t, scale)
-            else:
-                raise CheckpointError(f"tensor {name} has a scale but dtype {t.dtype} (expected FP8 or packed FP4)")
+            _check_scale(name, t, scale)
         elif t.dtype == torch.float8_e4m3fn:
             raise CheckpointError(f"FP8 tensor {name} has no block scale ({stem}.scale or {name}_scale_inv)")
         cname = canonical_name(name)
         m = _EXPERT.match(cname)
         if m:
-            experts[m.group(1)][int(m.group(2))][m.group(3)] = t
-        else:
+            experts[m.group(1)][int(m.group(2))][m.group(3)] = (t, scale)
+            continue
+        module = cname[: -len(".weight")] if cname.endswith(".weight") else None
+        if scale is not None and packed and t.dtype == torch.float8_e4m3fn and module and _fp8_packable(module, cfg):
             out[cname] = t
+            out[f"{module}.scale"] = e8m0_to_float(scale)
+            kinds[module] = FP8
+        else:
+            out[cname] = t if scale is None else _dequant(t, scale)
     if scales:
         raise CheckpointError(f"scale tensors without a weight: {sorted(scales)[:5]}")
     for prefix, by_id in experts.items():
-        ids = sorted(by_id)
-        if ids != list(range(len(ids))):
-            raise CheckpointError(f"{prefix}: expert ids are not contiguous from 0 (found {ids[:8]}...)")
-        try:
-            out[f"{prefix}.gate_up"] = torch.stack([torch.cat((by_id[e]["w1"], by_id[e]["w3"])) for e in ids])
-            out[f"{prefix}.down"] = torch.stack([by_id[e]["w2"] for e in ids])
-        except KeyError as e:
-            raise CheckpointError(f"{prefix}: an expert lacks its {e.args[0]} weight") from None
-    return out
+        stacked, kept = _stack_experts(prefix, by_id, packed)
+        out.update(stacked)
+        if kept:
+            kinds[prefix] = FP4_EXPERTS
+    return out, kinds
 
 
-def load_state(model: V4Model, tensors: dict[str, torch.Tensor]) -> None:
+def _copy_state(model: V4Model, got: dict[str, torch.Tensor]) -> None:
     want = model.state_dict()
-    got = _to_canonical(tensors)
     missing = sorted(set(want) - set(got))
     unexpected = sorted(set(got) - set(want))
     if missing:
@@ -198,25 +262,70 @@ def load_state(model: V4Model, tensors: dict[str, torch.Tensor]) -> None:
             target.copy_(src.to(target.dtype))
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device=None, name: str | None = None) -> V4Model:
-    """Build the model from `model_dir/config.json` and load its weights."""
+def load_state(model: V4Model, tensors: dict[str, torch.Tensor], weights: str = WEIGHTS_DEQUANTIZE) -> None:
+    """Load checkpoint tensors into a built model; with `weights="packed"` packed modules are swapped in first."""
+    got, kinds = _to_canonical(tensors, weights, model.cfg)
+    swap_in_packed(model, kinds)
+    _copy_state(model, got)
+
+
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+    name: str | None = None,
+    weights: str = WEIGHTS_PACKED,
+) -> V4Model:
+    """Build the model from `model_dir/config.json` and load its weights.
+
+    `weights`: `packed` (default) keeps the linears the checkpoint stores as FP8 and the routed experts it
+    stores as FP4 in those formats, computing on them with `kernels.fp8_linear` / `kernels.fp4_moe`;
+    `dequantize` expands them to `dtype` at load (the reference, and today's bf16 memory figures). A
+    checkpoint without packed tensors loads the same in both modes. `dtype` applies to everything that is
+    not packed (norms, sinks and the like stay fp32).
+    """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist")
     cfg = load_config(model_dir, name=name)
-    model = build_empty(cfg, dtype, device)
-    load_state(model, read_tensors(model_dir))
-    log.info("loaded %s (%d layers, %.1fM parameters)", model_dir, cfg.num_layers, num_params(model) / 1e6)
+    got, kinds = _to_canonical(read_tensors(model_dir), weights, cfg)
+    model = build_empty(cfg, dtype, device, packed=kinds)
+    _copy_state(model, got)
+    log.info(
+        "loaded %s (%d layers, %.1fM parameters, %d modules packed, %.1f MB resident)",
+        model_dir, cfg.num_layers, num_params(model) / 1e6, len(kinds), resident_bytes(model) / 1e6,
+    )
     return model.eval()
 
 
-def build_empty(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device=None) -> V4Model:
-    with torch.device(device or "cpu"):
+def build_empty(
+    cfg: ModelConfig, dtype: torch.dtype = torch.float32, device=None, packed: dict[str, str] | None = None
+) -> V4Model:
+    """A model of `cfg`: dense weights in `dtype` (norms and the like fp32), default-initialised.
+
+    With `packed` (module path -> kind, as the loader decides) those modules are packed ones instead, and
+    the model is built on the meta device first so that no dense copy of a packed weight is ever
+    allocated: its weights are then uninitialised, to be loaded next.
+    """
+    target = torch.device(device or "cpu")
+    with torch.device("meta" if packed else target):
         model = V4Model(cfg)
     keep_fp32 = ("norm", "attn_sink", "ape", "hc_", "gate.bias")
     for n, p in model.named_parameters():
         if not any(k in n for k in keep_fp32):
             p.data = p.data.to(dtype)
+    if packed:
+        swap_in_packed(model, packed)
+        model.to_empty(device=target)
+        # The rotary tables are plain tensors computed at construction, so they were made on meta: redo them.
+        with torch.device(target):
+            fresh = rotaries(cfg)
+        for kind, rot in model.rope.items():
+            rot.inv_freq = fresh[kind].inv_freq
+        loaded = set(model.state_dict())
+        unloaded = [n for n, _ in model.named_buffers() if n not in loaded]
+        if unloaded:
+            raise RuntimeError(f"non-persistent buffers {unloaded[:3]} would stay uninitialised; rebuild them here")
     return model
 
 
@@ -225,21 +334,27 @@ def num_params(model: torch.nn.Module) -> int:
 
 
 def deepseek_state(model: V4Model) -> dict[str, torch.Tensor]:
-    """The model's weights in DeepSeek's checkpoint spelling (per-expert tensors)."""
+    """The model's weights in DeepSeek's checkpoint spelling (per-expert tensors; packed ones keep their
+    formats, with UE8M0 scales as `float8_e8m0fnu` wherever the scales are powers of two)."""
     out = {}
     for name, t in model.state_dict().items():
-        m = re.match(r"^(layers\.\d+\.ffn\.experts)\.(gate_up|down)$", name)
+        m = re.match(r"^(layers\.\d+\.ffn\.experts)\.(gate_up|down)(_scale)?$", name)
         if not m:
-            out[name] = t.contiguous()
+            out[name] = _scale_for_checkpoint(t) if name.endswith(".scale") else t.contiguous()
             continue
+        suffix = "scale" if m.group(3) else "weight"
         for e in range(t.shape[0]):
-            if m.group(2) == "gate_up":
-                w1, w3 = t[e].chunk(2, dim=0)
-                out[f"{m.group(1)}.{e}.w1.weight"] = w1.contiguous()
-                out[f"{m.group(1)}.{e}.w3.weight"] = w3.contiguous()
-            else:
-                out[f"{m.group(1)}.{e}.w2.weight"] = t[e].contiguous()
+            parts = dict(zip(("w1", "w3"), t[e].chunk(2, dim=0))) if m.group(2) == "gate_up" else {"w2": t[e]}
+            for w, part in parts.items():
+                out[f"{m.group(1)}.{e}.{w}.{suffix}"] = _scale_for_checkpoint(part) if m.group(3) else part.contiguous()
     return out
+
+
+def _scale_for_checkpoint(scale: torch.Tensor) -> torch.Tensor:
+    try:
+        return float_to_e8m0(scale).contiguous().view(torch.float8_e8m0fnu)
+    except ValueError:  # not powers of two (an fp32-scale checkpoint): keep fp32
+        return scale.float().contiguous()
 
 
 def save_checkpoint(model: V4Model, model_dir: str | Path, dtype: torch.dtype | None = None) -> None:
@@ -254,7 +369,8 @@ def save_checkpoint(model: V4Model, model_dir: str | Path, dtype: torch.dtype | 
     state = {}
     for k, v in deepseek_state(model).items():
         v = v.detach().cpu()
-        if dtype is not None and v.is_floating_point() and v.dim() >= 2 and not k.startswith("hc_") and ".hc_" not in k:
+        dense = v.dtype in (torch.float32, torch.float16, torch.bfloat16)  # packed codes and scales keep their dtype
+        if dtype is not None and dense and v.dim() >= 2 and not k.startswith("hc_") and ".hc_" not in k and not k.endswith(".scale"):
             v = v.to(dtype)
         state[k] = v.contiguous()
     save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})

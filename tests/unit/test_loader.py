@@ -127,13 +127,17 @@ def test_fp8_weight_in_checkpoint(tiny_dir, tiny_model, tmp_path):
     state[name] = q
     state["layers.1.attn.wq_b.scale"] = s
     _copy_dir(tiny_dir, tmp_path, state)
-    got = load_model(tmp_path)
+    got = load_model(tmp_path, weights="dequantize")
     assert torch.equal(got.state_dict()[name], dequant_fp8(q, s))
+    # packed (the default): the same codes and scales, kept as they are
+    packed = load_model(tmp_path).layers[1].attn.wq_b
+    assert packed.weight.dtype == torch.float8_e4m3fn and packed.weight.view(torch.uint8).equal(q.view(torch.uint8))
+    assert torch.equal(packed.scale, s.float())
     # HF's spelling of the scale works as well
     state.pop("layers.1.attn.wq_b.scale")
     state["layers.1.attn.wq_b.weight_scale_inv"] = s
     _copy_dir(tiny_dir, tmp_path, state)
-    assert torch.equal(load_model(tmp_path).state_dict()[name], dequant_fp8(q, s))
+    assert torch.equal(load_model(tmp_path, weights="dequantize").state_dict()[name], dequant_fp8(q, s))
 
 
 def test_fp4_expert_dequant():

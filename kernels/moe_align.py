@@ -1,0 +1,47 @@
+"""Group (token, expert) pairs by expert into fixed-size row blocks, with static shapes and no host syncs.
+
+A grouped expert GEMM wants every block of BLOCK_M rows to belong to one expert. Pairs are sorted by
+expert and each expert's run is padded to a multiple of BLOCK_M. The number of slots is bounded by
+`pairs + experts * (BLOCK_M - 1)` whatever the routing, so every tensor here has a shape fixed by the
+batch size alone: a compiled or graph-captured step never asks the host how many tokens an expert got.
+Blocks past the used part, and padding slots, are marked -1 and skipped by the kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def num_slots(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound of padded slots, rounded up to whole blocks."""
+    bound = num_pairs + num_experts * (block_m - 1)
+    return -(-bound // block_m) * block_m
+
+
+def expert_blocks(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """experts [pairs] (-1 = no expert) -> (slot_pair [slots], block_expert [slots // block_m]).
+
+    `slot_pair[s]` is the pair in slot s or -1 for padding; `block_expert[b]` is the expert of block b or -1
+    when the block holds no pair. Pairs of one expert keep their original order.
+    """
+    pairs = experts.numel()
+    dev = experts.device
+    slots = num_slots(pairs, num_experts, block_m)
+    e = torch.where(experts < 0, num_experts, experts)  # the "no expert" pairs sort last, into bucket E
+    order = torch.argsort(e, stable=True)  # [pairs]
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=dev).scatter_add_(0, e, torch.ones_like(e))
+    counts = counts[:num_experts]  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)  # [E]
+    start = torch.cumsum(counts, 0) - counts  # first sorted index of each expert
+    e_sorted = e[order]
+    valid = e_sorted < num_experts
+    ec = e_sorted.clamp(max=num_experts - 1)
+    slot = pad_end[ec] - padded[ec] + torch.arange(pairs, device=dev) - start[ec]
+    slot = torch.where(valid, slot, slots)  # unused pairs land in a spare slot that is cut off below
+    slot_pair = torch.full((slots + 1,), -1, dtype=torch.long, device=dev)
+    slot_pair.scatter_(0, slot, order)
+    block_start = torch.arange(0, slots, block_m, device=dev)  # [blocks]
+    block_expert = torch.searchsorted(pad_end, block_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
+    return slot_pair[:slots], block_expert
