@@ -17,8 +17,9 @@ from torch import nn
 from cachetier.batch import DecodeKV, LayoutBatch
 from cachetier.layout import KVLayout
 from core.config import ModelConfig
-from model.attention import decode_layer, prefill_layer
+from model.attention import decode_layer
 from model.layers import Attention, MoE, RMSNorm, hc_merge, hc_weights, linear, rms
+from model.prefill import DEFAULT_TILE, prefill_layer
 from model.rope import rope_kind, rotaries
 
 
@@ -64,8 +65,9 @@ class V4Model(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def _run(self, token_ids: torch.Tensor, attend: AttendFn) -> torch.Tensor:
-        """Token-wise trunk over `token_ids` [tokens]; `attend(layer, x)` supplies attention -> logits [tokens, vocab]."""
+    def _run(self, token_ids: torch.Tensor, attend: AttendFn, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Token-wise trunk over `token_ids` [tokens]; `attend(layer, x)` supplies attention -> logits [tokens, vocab]
+        (only of the token positions `rows`, when given: the head is the widest matmul of a prefill chunk)."""
         cfg = self.cfg
         x = self.embed(token_ids)
         streams = x.unsqueeze(-2).expand(-1, cfg.hc_mult, -1).contiguous()  # [tokens, hc, hidden]
@@ -74,6 +76,8 @@ class V4Model(nn.Module):
             streams = hc_merge(streams, attend(i, blk.attn_norm(c)), post, comb)
             post, comb, c = hc_weights(streams, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale, cfg)
             streams = hc_merge(streams, blk.ffn(blk.ffn_norm(c), token_ids), post, comb)
+        if rows is not None:
+            streams = streams[rows]
         flat = rms(streams.flatten(-2).float(), cfg.rms_norm_eps)
         pre = torch.sigmoid(flat @ self.hc_head_fn.float().T * self.hc_head_scale.float() + self.hc_head_base.float())
         pre = pre + cfg.hc_eps
@@ -85,12 +89,18 @@ class V4Model(nn.Module):
 
     @torch.inference_mode()
     def prefill_batch(
-        self, items: Sequence[tuple[Sequence[int] | torch.Tensor, KVLayout | None]], last_only: bool = False
+        self,
+        items: Sequence[tuple[Sequence[int] | torch.Tensor, KVLayout | None]],
+        last_only: bool = False,
+        dense: bool = False,
+        entry_tile: int = DEFAULT_TILE,
     ) -> tuple[list[torch.Tensor], list[KVLayout]]:
         """Prefill several requests at once. Each item is (new tokens, existing layout or None).
 
         Existing layouts are advanced in place. Returns per request the logits [tokens, vocab]
-        (or [1, vocab] of the last token with `last_only`) and its layout.
+        (or [1, vocab] of the last token with `last_only`) and its layout. `dense` runs the reference
+        attention (every query against all entries, masked) instead of the sparse one; `entry_tile`
+        bounds the compressed entries a chunk reads at once (see `core.roles.PrefillConfig`).
         """
         ids, layouts, spans = [], [], []
         offset = 0
@@ -114,22 +124,24 @@ class V4Model(nn.Module):
         def attend(i: int, x: torch.Tensor) -> torch.Tensor:
             blk = self.layers[i]
             outs = [
-                prefill_layer(blk.attn, lay.layers[i], x[a:b], s, self._rot[i], w)
+                prefill_layer(blk.attn, lay.layers[i], x[a:b], s, self._rot[i], w, dense, entry_tile)
                 for lay, (a, b), s in zip(layouts, spans, starts)
             ]
             return torch.cat(outs)
 
-        logits = self._run(torch.cat(ids), attend)
+        rows = torch.tensor([b - 1 for _, b in spans], device=self.device) if last_only else None
+        logits = self._run(torch.cat(ids), attend, rows)
         out = []
-        for lay, (a, b) in zip(layouts, spans):
+        for j, (lay, (a, b)) in enumerate(zip(layouts, spans)):
             lay.num_tokens += b - a
-            out.append(logits[b - 1 : b] if last_only else logits[a:b])
+            out.append(logits[j : j + 1] if last_only else logits[a:b])
         return out, layouts
 
     def prefill(
-        self, tokens: Sequence[int] | torch.Tensor, layout: KVLayout | None = None, last_only: bool = False
+        self, tokens: Sequence[int] | torch.Tensor, layout: KVLayout | None = None, last_only: bool = False,
+        dense: bool = False, entry_tile: int = DEFAULT_TILE,
     ) -> tuple[torch.Tensor, KVLayout]:
-        logits, layouts = self.prefill_batch([(tokens, layout)], last_only=last_only)
+        logits, layouts = self.prefill_batch([(tokens, layout)], last_only=last_only, dense=dense, entry_tile=entry_tile)
         return logits[0], layouts[0]
 
     @torch.inference_mode()

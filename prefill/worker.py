@@ -46,6 +46,17 @@ class PrefillResult:
     """Tokens generated once this result exists (1 for a fresh request)."""
 
 
+@dataclass(frozen=True)
+class PrefillProgress:
+    """How far one queued request's prefill has come (for stats and /metrics)."""
+
+    request_id: str
+    done_tokens: int
+    """Tokens whose KV is in the layout."""
+    total_tokens: int
+    """Tokens the layout is built over (the prompt, plus generated tokens when resuming)."""
+
+
 class _Pending:
     def __init__(self, req: PrefillRequest) -> None:
         self.req = req
@@ -91,6 +102,10 @@ class PrefillWorker:
     def has_work(self) -> bool:
         return bool(self.pending)
 
+    def progress(self) -> list[PrefillProgress]:
+        """Every queued request's tokens done / total, in arrival order."""
+        return [PrefillProgress(rid, p.done, len(p.tokens)) for rid, p in self.pending.items()]
+
     def step(self) -> list[PrefillResult]:
         """One forward over up to `max_batch_tokens` prompt tokens; returns the requests it completed."""
         budget = self.config.max_batch_tokens
@@ -99,12 +114,15 @@ class PrefillWorker:
             if budget <= 0 or len(chosen) >= self.config.max_batch_requests:
                 break
             n = min(len(p.tokens) - p.done, budget)
+            if p.layout is None:  # room for every entry of the prompt: chunks append without copying
+                p.layout = self.model.new_layout()
+                p.layout.reserve(self.model.cfg, len(p.tokens))
             items.append((p.tokens[p.done : p.done + n], p.layout))
             chosen.append((p, n))
             budget -= n
         if not chosen:
             return []
-        logits, layouts = self.model.prefill_batch(items, last_only=True)
+        logits, layouts = self.model.prefill_batch(items, last_only=True, entry_tile=self.config.entry_tile)
         done: list[PrefillResult] = []
         finished_logits, finished = [], []
         for (p, n), lo, layout in zip(chosen, logits, layouts):
