@@ -67,7 +67,7 @@ def topk_keys(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.T
         keys = selection_keys(masked, torch.arange(n, device=scores.device)).topk(k, dim=-1).values
     else:
         empty = torch.full((masked.shape[0], k), EMPTY_KEY, dtype=torch.int64, device=scores.device)
-        keys = _merge_survivors(empty, masked, 0, first=True)
+        keys = _merge_survivors(empty, masked, 0)
     return key_ids(keys).view(*scores.shape[:-1], k)
 
 
@@ -76,31 +76,33 @@ def _merge_all(running: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.cat((running, keys), dim=1).topk(running.shape[1], dim=1).values
 
 
-def _merge_survivors(running: torch.Tensor, scores: torch.Tensor, first_id: int, first: bool) -> torch.Tensor:
-    """Like `_merge_all` for a tile's scores [q, t], but only the scores that can enter the top k are
-    turned into keys and ranked. Later tiles: a tile's ids exceed every running id, so an equal score
-    never displaces a running key, and strictly above the query's current k-th best is exactly the
-    condition to enter. The first tile: at or above the tile's own k-th best score (ties included).
-    The survivors are found group by group (`GROUP` entries), so the tile is read by one max only,
-    and only the queries with survivors are re-ranked."""
+def _merge_survivors(running: torch.Tensor, scores: torch.Tensor, first_id: int, tighten: bool = True) -> torch.Tensor:
+    """Like `_merge_all` for a tile's scores [q, t] (any tile order), but only the scores that can
+    enter the top k are turned into keys and ranked, and only the queries with such scores re-ranked.
+
+    A score can enter only if it is at least the query's current k-th best and (with `tighten`,
+    which pays while the running k-th best is still low) at least the tile's own k-th best. Masked
+    scores (-inf) never enter. Usually few
+    scores pass, so they are found group by group (`GROUP` entries): one max reads the tile; when
+    many pass, the whole tile is merged as keys instead, which bounds the bookkeeping per score.
+    """
     q, t = scores.shape
     k = running.shape[1]
-    if first:
-        thr = scores.topk(min(k, t), dim=1).values[:, -1]  # [q]; -inf where fewer than k are visible
-    else:
-        thr = key_scores(running[:, -1])  # [q]
-    if t % GROUP and not first:  # a short tile: pad with scores that never enter
-        scores = torch.cat((scores, scores.new_full((q, GROUP - t % GROUP), float("-inf"))), dim=1)
-    if first:  # about k survivors per query, spread over most groups: compare every score once
-        r, c = (scores >= thr[:, None]).nonzero(as_tuple=True)  # row-major: grouped by query, ids ascending
-    else:  # few survivors: find the groups holding one, then the survivors inside them
-        groups = scores.view(q, -1, GROUP)  # [q, groups, GROUP]
-        gr, gg = (groups.amax(dim=-1) > thr[:, None]).nonzero(as_tuple=True)
-        if gr.numel() == 0:
-            return running
-        i, j = (groups[gr, gg] > thr[gr, None]).nonzero(as_tuple=True)  # [hit groups, GROUP] -> survivors
-        r, c = gr[i], gg[i] * GROUP + j  # row-major: grouped by query, ids ascending
-    keys = selection_keys(scores[r, c], c + first_id)  # [survivors]
+    thr = key_scores(running[:, -1])  # [q]
+    if tighten:  # the tile's own k-th best: -inf where fewer than k are visible
+        thr = torch.maximum(scores.topk(min(k, t), dim=1, sorted=False).values.amin(dim=1), thr)
+    thr = thr[:, None]  # [q, 1]
+    groups = _pad(scores, -(-t // GROUP) * GROUP).view(q, -1, GROUP)  # [q, groups, GROUP]
+    gmax = groups.amax(dim=-1)
+    gr, gg = ((gmax >= thr) & (gmax > float("-inf"))).nonzero(as_tuple=True)  # groups holding a candidate
+    if gr.numel() == 0:
+        return running
+    vals = groups[gr, gg]  # [hit groups, GROUP]
+    i, j = ((vals >= thr[gr]) & (vals > float("-inf"))).nonzero(as_tuple=True)
+    if i.numel() > scores.numel() // 4:  # bookkeeping per candidate would exceed the keys of the whole tile
+        return _merge_all(running, selection_keys(scores, torch.arange(first_id, first_id + t, device=scores.device)))
+    r, c = gr[i], gg[i] * GROUP + j  # row-major: grouped by query
+    keys = selection_keys(vals[i, j], c + first_id)  # [survivors]
     rows, row_of, per_row = torch.unique_consecutive(r, return_inverse=True, return_counts=True)
     slot = torch.arange(r.numel(), device=r.device) - (per_row.cumsum(0) - per_row)[row_of]  # rank within its row
     buf = torch.full((rows.numel(), k + int(per_row.max())), EMPTY_KEY, dtype=torch.int64, device=running.device)
@@ -109,6 +111,12 @@ def _merge_survivors(running: torch.Tensor, scores: torch.Tensor, first_id: int,
     running = running.clone()
     running[rows] = buf.topk(k, dim=1).values
     return running
+
+
+def _pad(scores: torch.Tensor, width: int) -> torch.Tensor:
+    """Scores [q, t] widened to `width` columns with -inf (scores that never enter)."""
+    extra = width - scores.shape[1]
+    return torch.cat((scores, scores.new_full((scores.shape[0], extra), float("-inf"))), dim=1) if extra else scores
 
 
 ScoreFn = Callable[[slice, int, int], torch.Tensor]
@@ -138,7 +146,9 @@ def tiled_topk(
     running = torch.full((n_q, k), EMPTY_KEY, dtype=torch.int64, device=device)
     sub = score_block or n_q
     buf = torch.empty(n_q, min(tile, n), device=device)  # one tile of scores, reused
-    for t0 in range(0, n, tile):
+    # Newest entries first: attention (and so a trained indexer) favours recent entries, so the
+    # running k-th best rises early and the older tiles have few candidates.
+    for step, t0 in enumerate(reversed(range(0, n, tile))):
         t1 = min(t0 + tile, n)
         a = int(torch.searchsorted(counts, t0, right=True))  # queries before `a` see nothing of this tile
         s = buf[a:, : t1 - t0]  # [queries a.., t]
@@ -150,5 +160,5 @@ def tiled_topk(
         if exhaustive:
             running[a:] = _merge_all(running[a:], selection_keys(s, ids))
         else:
-            running[a:] = _merge_survivors(running[a:], s, t0, first=t0 == 0)
+            running[a:] = _merge_survivors(running[a:], s, t0, tighten=step < 2)
     return key_ids(running)

@@ -17,16 +17,24 @@ from __future__ import annotations
 import torch
 
 from cachetier.layout import LayerKV, append_rows
-from core.config import CSA, HCA
+from core.config import CSA, HCA, ModelConfig
 from core.roles import PrefillConfig
 from kernels.attention_ref import masked_attention_ref
 from kernels.prefill_attention import prefill_attention
+from kernels.prefill_attention_ref import QUERY_BLOCK
 from model.attention import compress_segment
 from model.index_topk import tiled_topk
 from model.layers import Attention, complete_entries, select_topk, selection_mask, window_visible
 from model.rope import Rotary
 
 DEFAULT_TILE = PrefillConfig.entry_tile
+
+TRUNK_ACTIVATIONS = 10
+"""Token-wise activations a chunk holds at once, in units of one token's widest vector
+(max(hc_mult * hidden, heads * head_dim) elements). Measured: about 7.5 on the built-in model."""
+INDEX_BYTES_PER_PAIR = 10
+"""Indexer bytes per (query, entry) of a tile: its fp32 scores, the visibility mask, and at worst a
+copy of the groups that hold candidates with their comparison."""
 
 
 def prefill_layer(
@@ -109,6 +117,23 @@ def score_block(tile: int) -> int:
     [queries, index heads, tile] intermediate stays in a CPU core's cache (measured 3-5x faster
     than scoring a whole chunk at once)."""
     return max(16, (1 << 15) // tile)
+
+
+def chunk_transient_bytes(cfg: ModelConfig, chunk: int, tile: int, element_bytes: int = 4) -> int:
+    """Upper bound on the memory one sparse prefill chunk allocates besides the layout (bytes).
+
+    chunk x (trunk + tile x indexer) + the attention's per-query-block work; nothing grows with the
+    context (docs/long-context.md states the terms; tests/unit/test_long_prefill.py measures them).
+    The torch reference path on a CPU; CUDA's Triton kernel needs less (no gathered rows).
+    """
+    widest = max(cfg.hc_mult * cfg.hidden_size, cfg.num_heads * cfg.head_dim)
+    trunk = TRUNK_ACTIVATIONS * widest * element_bytes  # per token
+    index = tile * INDEX_BYTES_PER_PAIR  # per token
+    # per query block: gathered rows (window + top-k) and their weights, four [heads, tile] prefix temporaries
+    rows = (cfg.sliding_window + cfg.index_topk) * (cfg.head_dim * element_bytes * 2 + cfg.num_heads * 4 * 3)
+    attend = QUERY_BLOCK * (rows + cfg.num_heads * tile * 4 * 4)
+    scoring = score_block(tile) * cfg.index_n_heads * (tile + 64) * 4 * 2  # one scoring call's intermediates
+    return chunk * (trunk + index) + attend + scoring
 
 
 def _dense(attn, lk, q, keys, key_pos, pos, window, qi, w) -> torch.Tensor:
