@@ -7,13 +7,13 @@ and torch's own `topk` breaks them arbitrarily, so the rule is made total by ran
 score's bits made order-preserving in the high 32 bits and `0xFFFFFFFF - id` in the low 32 bits of
 one int64. Distinct keys have one top-k, whichever way it is computed.
 
-`tiled_topk` scores the entries a few hundred at a time and keeps each query's best k keys, so its
-transient memory is queries x tile whatever the context; on the CPU a tile first drops every score
-that cannot beat the query's current k-th best (a single comparison, and later tiles have few
-survivors), so the cost is the scoring, not the ranking. On CUDA every tile is merged with one
-`topk` over [running | tile], which needs no host synchronisation. Both give the untiled result
-exactly, provided the scores of an entry do not depend on the tile it is scored in (see
-`model.layers.Indexer.scores`).
+`tiled_topk` scores the entries a tile at a time and keeps each query's best k keys, so its transient
+memory is queries x tile whatever the context. Tiles go newest first (recent entries score high, so
+the k-th best rises early). On the CPU only the scores that can still enter — at least the running
+k-th best — become keys and get ranked; finding them costs one max per group of entries, so the
+cost is the scoring, not the ranking. On CUDA every tile is merged with one `topk` over
+[running | tile], which needs no host synchronisation. All give the untiled result exactly, provided
+an entry's score does not depend on the tile it is scored in (see `model.layers.Indexer.scores`).
 """
 
 from __future__ import annotations
@@ -81,10 +81,10 @@ def _merge_survivors(running: torch.Tensor, scores: torch.Tensor, first_id: int,
     enter the top k are turned into keys and ranked, and only the queries with such scores re-ranked.
 
     A score can enter only if it is at least the query's current k-th best and (with `tighten`,
-    which pays while the running k-th best is still low) at least the tile's own k-th best. Masked
-    scores (-inf) never enter. Usually few
-    scores pass, so they are found group by group (`GROUP` entries): one max reads the tile; when
-    many pass, the whole tile is merged as keys instead, which bounds the bookkeeping per score.
+    which pays while the running k-th best is still low) at least the tile's own k-th best; masked
+    scores (-inf) never enter. Usually few pass, so they are found group by group (`GROUP` entries):
+    one max reads the tile. When many pass, the whole tile is merged as keys instead, which bounds
+    the bookkeeping per score.
     """
     q, t = scores.shape
     k = running.shape[1]

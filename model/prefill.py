@@ -32,9 +32,9 @@ DEFAULT_TILE = PrefillConfig.entry_tile
 TRUNK_ACTIVATIONS = 10
 """Token-wise activations a chunk holds at once, in units of one token's widest vector
 (max(hc_mult * hidden, heads * head_dim) elements). Measured: about 7.5 on the built-in model."""
-INDEX_BYTES_PER_PAIR = 10
-"""Indexer bytes per (query, entry) of a tile: its fp32 scores, the visibility mask, and at worst a
-copy of the groups that hold candidates with their comparison."""
+INDEX_BYTES_PER_PAIR = 32
+"""Indexer bytes per (query, entry) of a tile, worst case: its fp32 scores and visibility mask, and
+when many scores can enter the top-k, their int64 keys with their temporaries (typically ~6)."""
 
 
 def prefill_layer(
@@ -129,9 +129,9 @@ def chunk_transient_bytes(cfg: ModelConfig, chunk: int, tile: int, element_bytes
     widest = max(cfg.hc_mult * cfg.hidden_size, cfg.num_heads * cfg.head_dim)
     trunk = TRUNK_ACTIVATIONS * widest * element_bytes  # per token
     index = tile * INDEX_BYTES_PER_PAIR  # per token
-    # per query block: gathered rows (window + top-k) and their weights, four [heads, tile] prefix temporaries
+    # per query block: gathered rows (window + top-k) and their weights, six [heads, tile] prefix temporaries
     rows = (cfg.sliding_window + cfg.index_topk) * (cfg.head_dim * element_bytes * 2 + cfg.num_heads * 4 * 3)
-    attend = QUERY_BLOCK * (rows + cfg.num_heads * tile * 4 * 4)
+    attend = QUERY_BLOCK * (rows + cfg.num_heads * tile * 4 * 6)
     scoring = score_block(tile) * cfg.index_n_heads * (tile + 64) * 4 * 2  # one scoring call's intermediates
     return chunk * (trunk + index) + attend + scoring
 
