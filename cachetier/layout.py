@@ -73,9 +73,11 @@ class LayerKV:
     window: torch.Tensor
     """[sliding_window, head_dim] ring of raw keys (= values)."""
     entries: torch.Tensor | None = None
-    """[num_entries, head_dim]: C4 entries (CSA) or HCA entries (HCA); stored normed and rotated."""
+    """[num_entries, head_dim]: C4 entries (CSA) or HCA entries (HCA); stored normed and rotated. May be a
+    prefix view of a larger buffer that this layer alone owns (room to append, see `append_rows`)."""
     index_keys: torch.Tensor | None = None
-    """[num_entries, index_head_dim]: the indexer's keys (CSA only), entry s describes the same tokens as C4 entry s."""
+    """[num_entries, index_head_dim]: the indexer's keys (CSA only), entry s describes the same tokens as C4 entry s.
+    Grows like `entries`."""
     compressor: CompressorState | None = None
     index_compressor: CompressorState | None = None
 
@@ -177,6 +179,8 @@ def _nbytes(t: torch.Tensor | None) -> int:
 # returns a longer view of the same buffer, so a long prefill copies each entry once instead of
 # copying the whole tensor every chunk (torch.cat). Views never overlap what another view shows;
 # `clone()` and pickling a layout whose buffers were reserved exactly carry no spare room.
+# The rows past the end are taken as free room, so a growing tensor must own its buffer: never
+# append to a view that starts a buffer shared with other tensors (slice a copy instead).
 
 GROWTH = 2
 """Capacity multiplier when an append finds no room (used only when no `reserve` sized the buffer)."""

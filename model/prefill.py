@@ -119,20 +119,22 @@ def score_block(tile: int) -> int:
     return max(16, (1 << 15) // tile)
 
 
-def chunk_transient_bytes(cfg: ModelConfig, chunk: int, tile: int, element_bytes: int = 4) -> int:
+def chunk_transient_bytes(cfg: ModelConfig, chunk: int, tile: int, element_bytes: int = 4, cuda: bool = False) -> int:
     """Upper bound on the memory one sparse prefill chunk allocates besides the layout (bytes).
 
-    chunk x (trunk + tile x indexer) + the attention's per-query-block work; nothing grows with the
-    context (docs/long-context.md states the terms; tests/unit/test_long_prefill.py measures them).
-    The torch reference path on a CPU; CUDA's Triton kernel needs less (no gathered rows).
+    chunk x (trunk + tile x indexer) + the attention's per-query-block work + one indexer scoring
+    call; nothing grows with the context (docs/long-context.md states the terms;
+    tests/unit/test_long_prefill.py measures them on the CPU). On CUDA the Triton kernel gathers
+    nothing, and the indexer scores the whole chunk per tile.
     """
     widest = max(cfg.hc_mult * cfg.hidden_size, cfg.num_heads * cfg.head_dim)
     trunk = TRUNK_ACTIVATIONS * widest * element_bytes  # per token
     index = tile * INDEX_BYTES_PER_PAIR  # per token
     # per query block: gathered rows (window + top-k) and their weights, six [heads, tile] prefix temporaries
     rows = (cfg.sliding_window + cfg.index_topk) * (cfg.head_dim * element_bytes * 2 + cfg.num_heads * 4 * 3)
-    attend = QUERY_BLOCK * (rows + cfg.num_heads * tile * 4 * 6)
-    scoring = score_block(tile) * cfg.index_n_heads * (tile + 64) * 4 * 2  # one scoring call's intermediates
+    attend = 0 if cuda else QUERY_BLOCK * (rows + cfg.num_heads * tile * 4 * 6)
+    queries = chunk if cuda else score_block(tile)
+    scoring = queries * cfg.index_n_heads * (tile + 64) * 4 * 2  # one scoring call's [queries, heads, tile] products
     return chunk * (trunk + index) + attend + scoring
 
 
