@@ -1,12 +1,15 @@
 """The HiSparse tier's three numbers, each measured side by side in one run (prints one JSON object).
 
-    python -m bench.tier capacity   [--budget 256MiB] [--contexts 4096,...,131000]
+    python -m bench.tier capacity   [--budget 256MiB] [--contexts 4096,...,131000] [--layouts synthetic|real]
     python -m bench.tier step-cost  [--batch 8] [--context 4096] [--steps 40]
     python -m bench.tier miss-rate  [--tokens 1500] [--trace-steps 2000]
 
 capacity: requests of a given context submitted to a decode worker until admission stops, tier on
   vs off under the same device budget; tokens admitted and their ratio, next to the ceiling set by
-  what must stay on the device (per-token device bytes without / with the tier).
+  what must stay on the device (per-token device bytes without / with the tier). The layouts are
+  synthetic (prefill's shapes, random contents) or, with `--layouts real`, built by the prefill worker
+  from prompts of that length on the built-in model (`--contexts 32768,131008` by default then; a
+  loaded 2-core machine prefills far faster with `--threads 1`).
 step-cost: decode-step time, tier on vs off, same batch and context, on the built-in model (its
   random indexer has almost no locality, so nearly every selection misses) and with the indexer's
   choice replaced by a synthetic top-k trace with ~60% step-to-step overlap (labelled as such).
@@ -56,18 +59,42 @@ def synthetic_layout(cfg, tokens: int, seed: int = 0) -> KVLayout:
 # --- capacity -------------------------------------------------------------------------------------
 
 
-def capacity(budget: int, contexts: list[int], max_tokens: int) -> dict:
+def prefilled_layout(model, tokens: int, max_tokens: int, seed: int = 0) -> tuple[KVLayout, float]:
+    """The layout the prefill worker builds for a random prompt of `tokens` tokens, and the seconds it took."""
+    from core.roles import PrefillConfig
+    from core.types import SamplingParams
+    from prefill.worker import PrefillRequest, PrefillWorker
+
+    g = torch.Generator().manual_seed(seed)
+    prompt = tuple(torch.randint(6, model.cfg.vocab_size, (tokens,), generator=g).tolist())
+    worker = PrefillWorker(model, PrefillConfig())
+    worker.submit(PrefillRequest(f"p{tokens}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), seed))
+    t0 = time.perf_counter()
+    done = []
+    while worker.has_work():
+        done += worker.step()
+    return done[0].layout, time.perf_counter() - t0
+
+
+def capacity(budget: int, contexts: list[int], max_tokens: int, real: bool = False) -> dict:
     from cachetier.store import TieredStore
     from core.types import SampledToken, SamplingParams
     from decode.worker import DecodeRequest, DecodeWorker
     from model.builtin import tiny_config
 
-    cfg = tiny_config()
+    model = _model() if real else None
+    cfg = model.cfg if real else tiny_config()
     rows = []
     for ctx in contexts:
-        lay = synthetic_layout(cfg, ctx)
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         row = {"context": ctx}
+        if real:
+            progress(f"prefilling a {ctx}-token prompt")
+            lay, row["prefill_seconds"] = prefilled_layout(model, ctx, max_tokens)
+            row["prefill_seconds"] = round(row["prefill_seconds"], 2)
+            row["layout_bytes"] = lay.total_bytes()
+        else:
+            lay = synthetic_layout(cfg, ctx)
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         for offload in (False, True):
             tier = TierConfig(offload=offload, device_budget_bytes=budget, max_running=100_000,
                               host_pool_bytes=16 * budget if offload else None)
@@ -94,8 +121,8 @@ def capacity(budget: int, contexts: list[int], max_tokens: int) -> dict:
         row["share_of_ceiling"] = round(row["ratio"] / row["ceiling"], 3)
         progress(f"capacity at {ctx}: {row['tokens_off']} tokens off, {row['tokens_on']} on ({row['ratio']}x)")
         rows.append(row)
-    return {"budget_bytes": budget, "max_tokens": max_tokens, "layouts": "synthetic (prefill shape, random contents)",
-            "rows": rows}
+    kind = "built by the prefill worker (built-in model, random prompts)" if real else "synthetic (prefill shape, random contents)"
+    return {"budget_bytes": budget, "max_tokens": max_tokens, "layouts": kind, "rows": rows}
 
 
 # --- selection traces -----------------------------------------------------------------------------
@@ -287,7 +314,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["capacity", "step-cost", "miss-rate"])
     ap.add_argument("--budget", default="256MiB")
-    ap.add_argument("--contexts", default="4096,8192,16384,32768,65536,131000")
+    ap.add_argument("--contexts", default=None, help="default 4096,...,131000 (synthetic) or 32768,131008 (real)")
+    ap.add_argument("--layouts", choices=["synthetic", "real"], default="synthetic")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=2048)
@@ -297,8 +326,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--trace-steps", type=int, default=2000)
     a = ap.parse_args(argv)
     budget = parse_bytes(a.budget)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     if a.what == "capacity":
-        res = capacity(budget, [int(x) for x in a.contexts.split(",")], a.max_tokens)
+        real = a.layouts == "real"
+        contexts = a.contexts or ("32768,131008" if real else "4096,8192,16384,32768,65536,131000")
+        res = capacity(budget, [int(x) for x in contexts.split(",")], a.max_tokens, real)
     elif a.what == "step-cost":
         res = step_cost(a.batch, a.context, a.steps, budget, a.repeats)
     else:

@@ -76,9 +76,11 @@ class LayerKV:
     window: torch.Tensor
     """[sliding_window, head_dim] ring of raw keys (= values)."""
     entries: torch.Tensor | None = None
-    """[num_entries, head_dim]: C4 entries (CSA) or HCA entries (HCA); stored normed and rotated."""
+    """[num_entries, head_dim]: C4 entries (CSA) or HCA entries (HCA); stored normed and rotated. May be a
+    prefix view of a larger buffer that this layer alone owns (room to append, see `append_rows`)."""
     index_keys: torch.Tensor | None = None
-    """[num_entries, index_head_dim]: the indexer's keys (CSA only), entry s describes the same tokens as C4 entry s."""
+    """[num_entries, index_head_dim]: the indexer's keys (CSA only), entry s describes the same tokens as C4 entry s.
+    Grows like `entries`."""
     compressor: CompressorState | None = None
     index_compressor: CompressorState | None = None
 
@@ -147,6 +149,15 @@ class KVLayout:
                 return layer.num_entries
         return 0
 
+    def reserve(self, cfg: ModelConfig, num_tokens: int) -> None:
+        """Make room for the entries of `num_tokens` tokens in every growing tensor (C4, HCA, indexer keys),
+        so that appending them (`append_rows`) never copies what is already there."""
+        for i, lk in enumerate(self.layers):
+            if lk.entries is not None:
+                lk.entries = reserve_rows(lk.entries, num_tokens // cfg.compress_rate(i))
+            if lk.index_keys is not None:
+                lk.index_keys = reserve_rows(lk.index_keys, num_tokens // cfg.csa_rate)
+
     def clone(self) -> KVLayout:
         layers = [
             LayerKV(
@@ -163,6 +174,47 @@ class KVLayout:
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
+
+
+# --- growing tensors with amortised appends ---------------------------------------------------------
+# A growing tensor ([rows, width], C4/HCA entries or indexer keys) may be a prefix view of a larger
+# buffer: rows beyond its end are spare room. Appending writes into the room when there is enough and
+# returns a longer view of the same buffer, so a long prefill copies each entry once instead of
+# copying the whole tensor every chunk (torch.cat). Views never overlap what another view shows;
+# `clone()` and pickling a layout whose buffers were reserved exactly carry no spare room.
+# The rows past the end are taken as free room, so a growing tensor must own its buffer: never
+# append to a view that starts a buffer shared with other tensors (slice a copy instead).
+
+GROWTH = 2
+"""Capacity multiplier when an append finds no room (used only when no `reserve` sized the buffer)."""
+
+
+def row_capacity(t: torch.Tensor) -> int:
+    """Rows `t` can grow to in place: its buffer's size when it is a contiguous prefix view, else its length."""
+    if t.dim() != 2 or t.storage_offset() != 0 or not t.is_contiguous() or t.shape[1] == 0:
+        return t.shape[0]
+    return t.untyped_storage().nbytes() // (t.shape[1] * t.element_size())
+
+
+def reserve_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """`t` backed by a buffer of at least `rows` rows (a view of the same values)."""
+    if row_capacity(t) >= rows:
+        return t
+    buf = t.new_empty(rows, t.shape[1])
+    buf[: t.shape[0]] = t
+    return buf[: t.shape[0]]
+
+
+def append_rows(t: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """`t` [n, width] followed by `new` [m, width]: in place when the buffer has room (amortised O(m))."""
+    n, m = t.shape[0], new.shape[0]
+    if m == 0:
+        return t
+    if row_capacity(t) < n + m:
+        t = reserve_rows(t, max(n + m, GROWTH * n))
+    full = t.as_strided((n + m, t.shape[1]), (t.shape[1], 1))
+    full[n:] = new
+    return full
 
 
 # --- moving a layout between processes ------------------------------------------------------------

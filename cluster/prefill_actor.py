@@ -85,7 +85,7 @@ class PrefillActor:
         """Publish the queue for `stats` (step thread only; read without waiting for a step)."""
         w = self.worker
         self._snapshot = {"queued_tokens": w.queued_tokens(), "pending": len(w.pending), "tokens_in": w.tokens_in,
-                          "progress": w.progress()}
+                          "progress": {g.request_id: (g.done_tokens, g.total_tokens) for g in w.progress()}}
 
     def _abort_now(self, request_id: str) -> None:
         self.worker.abort(request_id)

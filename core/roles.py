@@ -55,6 +55,17 @@ class PrefillConfig:
     """Prompt tokens processed in one prefill forward (across requests); longer prompts are chunked."""
     max_batch_requests: int = 16
     """Most requests in one prefill forward."""
+    entry_tile: int = 512
+    """Compressed entries a chunk reads at once: the indexer scores this many C4 entries per step of its
+    running top-k, and HCA attention folds this many entries per step of its online softmax. With
+    `max_batch_tokens` it bounds a chunk's transient memory whatever the context (docs/long-context.md).
+    Multiples of 64 waste nothing (the indexer scores entries in groups of 64)."""
+
+    def __post_init__(self) -> None:
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be at least 1, got {self.max_batch_tokens}")
+        if self.entry_tile < 1:
+            raise ValueError(f"entry_tile must be at least 1 (512 is a good start), got {self.entry_tile}")
 
 
 @dataclass(frozen=True)

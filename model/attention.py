@@ -1,4 +1,4 @@
-"""How tokens see each other in one attention layer: prefill over a layout, batched decode over a `DecodeKV`.
+"""How tokens see each other in one attention layer: batched decode over a `DecodeKV` (prefill: `model.prefill`).
 
 For query t the visible set is the window (raw keys of positions t-W < j <= t), plus for HCA every
 complete entry (w < (t+1)//rate) and for CSA the top-k complete entries the indexer picks; one softmax
@@ -11,11 +11,10 @@ from __future__ import annotations
 import torch
 
 from cachetier.batch import INDEX, MAIN, DecodeKV
-from cachetier.layout import C4, HCA_ENTRIES, INDEX_KEYS, CompressorState, LayerKV
+from cachetier.layout import C4, HCA_ENTRIES, INDEX_KEYS, CompressorState
 from core.config import CSA, HCA
 from kernels.attention import sparse_attention
-from kernels.attention_ref import masked_attention_ref
-from model.layers import Attention, Compressor, complete_entries, select_topk, selection_mask, window_visible
+from model.layers import Attention, Compressor, select_topk
 from model.rope import Rotary
 
 
@@ -50,50 +49,6 @@ def compress_segment(
     first = start - pending
     positions = first + torch.arange(n_new, device=kv.device) * m
     return rot.apply(entries, positions), new_state
-
-
-def prefill_layer(
-    attn: Attention, lk: LayerKV, x: torch.Tensor, start: int, rot: Rotary, window: int
-) -> torch.Tensor:
-    """One layer over tokens at positions start..start+L-1 of one request; advances `lk` in place."""
-    L = x.shape[0]
-    pos = torch.arange(start, start + L, device=x.device)
-
-    def rotate(t):
-        return rot.apply(t, pos)
-
-    q, key, latent = attn.project(x, rotate)
-
-    # Window: the ring's earlier keys (chronological) followed by this chunk's keys.
-    old_pos = torch.arange(max(0, start - window + 1), start, device=x.device)
-    keys = torch.cat((lk.window[old_pos % window], key))
-    key_pos = torch.cat((old_pos, pos))
-    visible = window_visible(pos, key_pos, window)
-    tail = pos[-window:]
-    lk.window[tail % window] = key[-window:]
-
-    if attn.compressor is not None:
-        comp = attn.compressor
-        kv, score = comp.project(x, pos)
-        new, lk.compressor = compress_segment(comp, lk.compressor, kv, score, start, rot)
-        lk.entries = torch.cat((lk.entries, new))
-        n = lk.entries.shape[0]
-        complete = complete_entries(pos, n, comp.rate)  # [L, n]
-        if attn.kind == HCA:
-            chosen = complete
-        else:
-            idx = attn.indexer
-            ikv, iscore = idx.compressor.project(x, pos)
-            new_keys, lk.index_compressor = compress_segment(idx.compressor, lk.index_compressor, ikv, iscore, start, rot)
-            lk.index_keys = torch.cat((lk.index_keys, new_keys))
-            qi, w = idx.queries(latent, x, rotate)
-            ids = select_topk(idx.scores(qi, w, lk.index_keys), complete, idx.topk)  # [L, k]
-            chosen = selection_mask(ids, n)
-        keys = torch.cat((keys, lk.entries))
-        visible = torch.cat((visible, chosen), dim=1)
-
-    o = masked_attention_ref(q, keys, visible, attn.attn_sink, attn.scale)
-    return attn.output(o, lambda t: rot.apply(t, pos, inverse=True))
 
 
 def _compress_step(

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.config import CSA, HASH_MOE, HCA, ModelConfig
+from model.index_topk import topk_keys
 
 
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -163,6 +164,9 @@ class MoE(nn.Module):
 
 # --- compressor and indexer -----------------------------------------------------------------------
 
+SCORE_ALIGN = 64
+"""Indexer keys are scored in groups of this many entries (see `Indexer.scores`)."""
+
 
 class Compressor(nn.Module):
     """Pools every `rate` tokens into one entry: per-channel softmax of gate+position bias over kv.
@@ -219,11 +223,23 @@ class Indexer(nn.Module):
         return q, w
 
     def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """I(t, s) = sum_h w[t,h] / sqrt(dim) * relu(<q[t,h], key[s]>); keys [(batch,) n, dim] -> [..., n]."""
+        """I(t, s) = sum_h w[t,h] / sqrt(dim) * relu(<q[t,h], key[s]>); keys [(batch,) n, dim] -> [..., n].
+
+        With one key set shared by all queries (prefill), an entry's score must not depend on which
+        other entries are scored with it, or the tiled top-k could pick differently from the untiled
+        one: the keys are padded to a multiple of `SCORE_ALIGN`, which keeps the BLAS kernels on the
+        same code path for every column (checked by tests/unit/test_index_topk.py).
+        """
         if keys.dim() == 2:  # one key set shared by all queries
-            s = torch.einsum("thd,nd->thn", q.float(), keys.float())
-        else:  # a key set per batch row
-            s = torch.einsum("bhd,bnd->bhn", q.float(), keys.float())
+            t, h, d = q.shape
+            n = keys.shape[0]
+            k = keys.float()
+            if n % SCORE_ALIGN:
+                k = torch.cat((k, k.new_zeros(SCORE_ALIGN - n % SCORE_ALIGN, d)))
+            s = torch.matmul(q.float().reshape(t * h, d), k.T).relu_().view(t, h, -1)  # [t, heads, n padded]
+            weights = (w * self.head_dim**-0.5).unsqueeze(1)  # [t, 1, heads]
+            return torch.bmm(weights, s).squeeze(1)[:, :n]
+        s = torch.einsum("bhd,bnd->bhn", q.float(), keys.float())  # a key set per batch row
         s = F.relu(s) * self.head_dim**-0.5
         return (s * w.unsqueeze(-1)).sum(dim=-2)
 
@@ -246,15 +262,10 @@ def selection_mask(ids: torch.Tensor, num_entries: int) -> torch.Tensor:
 
 
 def select_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
-    """Top-k visible entries per query ([..., n] scores and visibility) -> ids [..., k], -1 where too few."""
-    n = scores.shape[-1]
-    k = min(topk, n)
-    if k == 0:
-        return torch.zeros(*scores.shape[:-1], 0, dtype=torch.long, device=scores.device)
-    masked = scores.masked_fill(~visible, float("-inf"))
-    ids = masked.topk(k, dim=-1).indices
-    ok = visible.gather(-1, ids)
-    return torch.where(ok, ids, -1)
+    """Top-k visible entries per query ([..., n] scores and visibility) -> ids [..., k], -1 where too few.
+
+    Best first; equal scores go to the lower id (the rule lives in `model.index_topk`)."""
+    return topk_keys(scores, visible, topk)
 
 
 # --- attention weights ----------------------------------------------------------------------------

@@ -17,8 +17,9 @@ from torch import nn
 from cachetier.batch import DecodeKV, LayoutBatch
 from cachetier.layout import KVLayout
 from core.config import ModelConfig
-from model.attention import decode_layer, prefill_layer
+from model.attention import decode_layer
 from model.layers import Attention, MoE, RMSNorm, hc_merge, hc_weights, linear, rms
+from model.prefill import DEFAULT_TILE, prefill_layer
 from model.rope import rope_kind, rotaries
 
 
@@ -88,14 +89,20 @@ class V4Model(nn.Module):
 
     @torch.inference_mode()
     def prefill_batch(
-        self, items: Sequence[tuple[Sequence[int] | torch.Tensor, KVLayout | None]], last_only: bool = False,
+        self,
+        items: Sequence[tuple[Sequence[int] | torch.Tensor, KVLayout | None]],
+        last_only: bool = False,
         full_logits: Sequence[bool] | None = None,
+        dense: bool = False,
+        entry_tile: int = DEFAULT_TILE,
     ) -> tuple[list[torch.Tensor], list[KVLayout]]:
         """Prefill several requests at once. Each item is (new tokens, existing layout or None).
 
         Existing layouts are advanced in place. Returns per request the logits [tokens, vocab]
         (or [1, vocab] of the last token with `last_only`, except for items whose `full_logits` flag
-        is set) and its layout.
+        is set) and its layout. `dense` runs the reference attention (every query against all entries,
+        masked) instead of the sparse one; `entry_tile` bounds the compressed entries a chunk reads at
+        once (see `core.roles.PrefillConfig`).
         """
         ids, layouts, spans = [], [], []
         offset = 0
@@ -119,7 +126,7 @@ class V4Model(nn.Module):
         def attend(i: int, x: torch.Tensor) -> torch.Tensor:
             blk = self.layers[i]
             outs = [
-                prefill_layer(blk.attn, lay.layers[i], x[a:b], s, self._rot[i], w)
+                prefill_layer(blk.attn, lay.layers[i], x[a:b], s, self._rot[i], w, dense, entry_tile)
                 for lay, (a, b), s in zip(layouts, spans, starts)
             ]
             return torch.cat(outs)
@@ -139,9 +146,10 @@ class V4Model(nn.Module):
         return out, layouts
 
     def prefill(
-        self, tokens: Sequence[int] | torch.Tensor, layout: KVLayout | None = None, last_only: bool = False
+        self, tokens: Sequence[int] | torch.Tensor, layout: KVLayout | None = None, last_only: bool = False,
+        dense: bool = False, entry_tile: int = DEFAULT_TILE,
     ) -> tuple[torch.Tensor, KVLayout]:
-        logits, layouts = self.prefill_batch([(tokens, layout)], last_only=last_only)
+        logits, layouts = self.prefill_batch([(tokens, layout)], last_only=last_only, dense=dense, entry_tile=entry_tile)
         return logits[0], layouts[0]
 
     @torch.inference_mode()

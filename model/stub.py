@@ -47,7 +47,7 @@ class StubModel:
         store.finish_step()
         return self._logits(len(token_ids))
 
-    def prefill_batch(self, items, last_only: bool = False, full_logits=None):
+    def prefill_batch(self, items, last_only: bool = False, full_logits=None, **_):
         time.sleep(self.stub.prefill_s)
         logits, layouts = [], []
         for tokens, layout in items:

@@ -57,6 +57,17 @@ class PrefillResult:
     prompt_logprobs: list[PromptLogprob] | None = None
 
 
+@dataclass(frozen=True)
+class PrefillProgress:
+    """How far one queued request's prefill has come (for stats and /metrics)."""
+
+    request_id: str
+    done_tokens: int
+    """Tokens whose KV is in the layout."""
+    total_tokens: int
+    """Tokens the layout is built over (the prompt, plus generated tokens when resuming)."""
+
+
 class _Pending:
     def __init__(self, req: PrefillRequest) -> None:
         self.req = req
@@ -110,12 +121,12 @@ class PrefillWorker:
     def queued_tokens(self) -> int:
         return sum(len(p.tokens) - p.done for p in self.pending.values())
 
-    def progress(self) -> dict[str, tuple[int, int]]:
-        """Per pending request: (prompt tokens done, total)."""
-        return {rid: (p.done, len(p.tokens)) for rid, p in self.pending.items()}
-
     def has_work(self) -> bool:
         return bool(self.pending)
+
+    def progress(self) -> list[PrefillProgress]:
+        """Every queued request's tokens done / total, in arrival order."""
+        return [PrefillProgress(rid, p.done, len(p.tokens)) for rid, p in self.pending.items()]
 
     def take_failures(self) -> list[PrefillFailure]:
         out, self.failures = self.failures, []
@@ -142,10 +153,15 @@ class PrefillWorker:
         chosen = self._choose()
         if not chosen:
             return []
+        for p, _ in chosen:
+            if p.layout is None:  # room for every entry of the prompt: chunks append without copying
+                p.layout = self.model.new_layout()
+                p.layout.reserve(self.model.cfg, len(p.tokens))
         items = [(p.tokens[p.done : p.done + n], p.layout) for p, n in chosen]
         full = [p.wants_logprobs for p, _ in chosen]
         try:
-            logits, layouts = self.model.prefill_batch(items, last_only=True, full_logits=full)
+            logits, layouts = self.model.prefill_batch(items, last_only=True, full_logits=full,
+                                                       entry_tile=self.config.entry_tile)
         except Exception as e:
             log.exception("prefill step over %d request(s) failed; failing them", len(chosen))
             for p, _ in chosen:

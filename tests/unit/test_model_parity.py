@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -20,7 +22,10 @@ TOL = 1e-4
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def pair(request, tmp_path_factory):
     """(HF model, our model loaded from HF's save_pretrained directory)."""
-    hf = hf_model(request.param, seed=hash(request.param) % 1000)
+    # A fixed seed per config (str hashes change per process): runs are reproducible. Exact score ties at
+    # the indexer's top-k boundary are broken by entry id here and arbitrarily by HF's torch.topk; the
+    # seeds give inputs without such ties (about 1 random model in 300 has one within these prompts).
+    hf = hf_model(request.param, seed=zlib.crc32(request.param.encode()) % 1000)
     d = tmp_path_factory.mktemp(f"hf-{request.param}")
     hf.save_pretrained(d)
     return hf, load_model(d)

@@ -1,0 +1,25 @@
+"""Dispatcher for prefill sparse attention: Triton on CUDA, the torch reference elsewhere."""
+
+from __future__ import annotations
+
+import torch
+
+from core import device
+from kernels.prefill_attention_ref import Prefix, prefill_attention_ref
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    segments: list[tuple[torch.Tensor, torch.Tensor]],
+    prefix: Prefix | None,
+    sinks: torch.Tensor,
+    scale: float,
+    tile: int,
+) -> torch.Tensor:
+    """Attention of q [queries, heads, dim] over its rows of each (pool, rows) segment and its prefix
+    `pool[:counts[i]]`, with a sink; `tile` bounds the reference's transient (prefix rows read at once)."""
+    if device.current().use_triton and q.is_cuda:
+        from kernels.prefill_attention_triton import prefill_attention_triton
+
+        return prefill_attention_triton(q, segments, prefix, sinks, scale)
+    return prefill_attention_ref(q, segments, prefix, sinks, scale, tile)
