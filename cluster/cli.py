@@ -47,6 +47,12 @@ def _bytes(s: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _add_weights(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", choices=["packed", "dequantize"], default="packed",
+                   help="quantized checkpoints: keep FP8/FP4 weights packed and compute on them (default), or "
+                        "dequantize them at load")
+
+
 def _add_tier(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("KV tier (decode side)")
     t.add_argument("--offload", type=_on_off, default=True, metavar="on|off",
@@ -87,8 +93,9 @@ def serve_config(args: argparse.Namespace):
         stub = StubConfig(decode_step_s=args.stub_step_ms / 1000, prefill_s=(args.stub_prefill_ms or 0.0) / 1000)
     return ServeConfig(
         model=args.model,
+        weights=args.weights,
         tier=tier_config(args),
-        prefill=PrefillConfig(max_batch_tokens=args.max_batch_tokens),
+        prefill=PrefillConfig(max_batch_tokens=args.max_batch_tokens, entry_tile=args.entry_tile),
         stub=stub,
         cluster=ClusterConfig(
             address=args.address, num_prefill=args.num_prefill, num_decode=args.num_decode,
@@ -125,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text (needs a tokenizer in the model directory)")
     src.add_argument("--prompt-ids", type=_int_list, help="prompt as comma-separated token ids, e.g. 1,2,3")
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_weights(g)
     _add_sampling(g)
     _add_tier(g)
 
@@ -133,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     s.add_argument("--served-model-name", default=None, help="model name the API answers to")
+    _add_weights(s)
     s.add_argument("--max-concurrent-requests", type=int, default=512,
                    help="in-flight requests per gateway process before 429 (default 512)")
     s.add_argument("--max-sequences-per-request", type=int, default=64,
@@ -184,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layout handoff: the Ray object store (default) or Ray's direct tensor transport "
                         "(nccl/nixl between GPU actors, gloo between CPU actors)")
     c.add_argument("--max-batch-tokens", type=int, default=2048, help="prompt tokens per prefill forward")
+    c.add_argument("--entry-tile", type=int, default=512,
+                   help="compressed entries a prefill chunk reads at once (bounds its memory at any context; default 512)")
     _add_tier(s)
 
     plan_cmd.add_parser(sub)
@@ -246,7 +257,7 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"hisparse generate: {e}", file=sys.stderr)
         return 2
     model_dir = resolve_model_dir(args.model)
-    model = load_model(model_dir)
+    model = load_model(model_dir, weights=args.weights)
     tok = load_tokenizer(model_dir)
     if args.prompt is not None:
         if tok is None:

@@ -28,14 +28,14 @@ log = logging.getLogger(__name__)
 ACTOR_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
-def load_model_for_actor(model_spec: str, num_threads: int, stub: StubConfig | None = None):
+def load_model_for_actor(model_spec: str, num_threads: int, stub: StubConfig | None = None, weights: str = "packed"):
     import torch
 
     from model.builtin import resolve_model_dir
     from model.loader import load_model
 
     torch.set_num_threads(max(1, num_threads))
-    model = load_model(resolve_model_dir(model_spec))
+    model = load_model(resolve_model_dir(model_spec), weights=weights)
     if stub is not None:
         from model.stub import StubModel
 
@@ -46,10 +46,11 @@ def load_model_for_actor(model_spec: str, num_threads: int, stub: StubConfig | N
 class PrefillActor:
     def __init__(self, model_spec: str, config: PrefillConfig, name: str, num_threads: int = 1,
                  eos_ids: tuple[int, ...] | None = None, deadlines: DeadlineConfig | None = None,
-                 transport: str = "object_store", faults: FaultConfig | None = None, stub: StubConfig | None = None) -> None:
+                 transport: str = "object_store", faults: FaultConfig | None = None, stub: StubConfig | None = None,
+                 weights: str = "packed") -> None:
         from prefill.worker import PrefillWorker
 
-        model = load_model_for_actor(model_spec, num_threads, stub)
+        model = load_model_for_actor(model_spec, num_threads, stub, weights)
         self.name = name
         self.config = config
         self.deadlines = deadlines or DeadlineConfig()

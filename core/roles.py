@@ -204,6 +204,9 @@ class ServeConfig:
 
     model: str = "tiny"
     """`tiny` (built-in) or a model directory."""
+    weights: str = "packed"
+    """`packed`: FP8 linears and FP4 experts of a quantized checkpoint stay packed and are computed on;
+    `dequantize`: expanded at load (the reference path). Unquantized checkpoints load the same either way."""
     tier: TierConfig = field(default_factory=TierConfig)
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
