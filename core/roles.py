@@ -47,7 +47,7 @@ class TierConfig:
     """Most requests decoding at once; their fixed-size state slots are carved from the budget."""
 
 
-DECODE_MODES = ("eager", "compiled")
+DECODE_MODES = ("auto", "eager", "compiled")
 COMPILE_BACKENDS = ("inductor", "eager")
 
 
@@ -55,8 +55,9 @@ COMPILE_BACKENDS = ("inductor", "eager")
 class StepConfig:
     """How a decode worker runs its step (`decode.runner`)."""
 
-    decode_mode: str = "eager"
-    """`eager`: run the step op by op with exactly as many rows as requests. `compiled`: pad the
+    decode_mode: str = "auto"
+    """`auto`: `compiled` on CUDA, `eager` on CPU (where compiling the step costs a minute or more at the
+    first start). `eager`: run the step op by op with exactly as many rows as requests. `compiled`: pad the
     batch and the gather lengths to buckets and run one fixed-shape step per bucket — compiled with
     `torch.compile(fullgraph=True)` on CPU, captured in a CUDA graph on CUDA. Plain-layout stores
     always run eagerly."""

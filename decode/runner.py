@@ -50,8 +50,11 @@ class StepRunner:
     def __init__(self, model: V4Model, store: KVStore, max_running: int, cfg: StepConfig | None = None) -> None:
         self.model, self.store, self.max_running = model, store, max_running
         self.cfg = cfg or StepConfig()
-        self.fixed = self.cfg.decode_mode == "compiled" and store.step_view([], 1) is not None
-        if self.cfg.decode_mode == "compiled" and not self.fixed:
+        wanted = self.cfg.decode_mode
+        if wanted == "auto":
+            wanted = "compiled" if model.device.type == "cuda" else "eager"
+        self.fixed = wanted == "compiled" and store.step_view([], 1) is not None
+        if wanted == "compiled" and not self.fixed:
             log.warning("%s cannot run fixed-shape steps; decoding eagerly", type(store).__name__)
         self.cuda = self.fixed and model.device.type == "cuda"
         self.use_graphs = self.cuda and self.cfg.cuda_graphs
