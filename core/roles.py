@@ -68,6 +68,9 @@ class PrefixCacheConfig:
     state_policy: str = "last"
     """Which page boundaries keep a state snapshot: `last` (the last boundary of each prompt, and the point where
     a prompt leaves a cached one), or `every` (every page: more hits inside prompts, much more state)."""
+    affinity_slack_tokens: int = 8192
+    """Routing: a prompt goes to the prefill actor that holds its longest prefix unless that actor has more than
+    this many prompt tokens in flight beyond the least loaded actor (then to the least loaded)."""
 
     def __post_init__(self) -> None:
         if self.state_policy not in STATE_POLICIES:
