@@ -104,6 +104,11 @@ def _prefix_cache(model: str, pc: dict | None):
             tier.add_metric([model, t, "classical" if part == "seg" else "state"], float(pc[f"{t}_{part}_bytes"]))
     yield tier
     yield one(GaugeMetricFamily, "hisparse_prefix_cache_pages", "Pages cached (any tier)", pc["nodes"])
+    yield one(GaugeMetricFamily, "hisparse_prefix_cache_page_tokens", "Tokens per cached page", pc.get("page_tokens", 0))
+    pages = GaugeMetricFamily("hisparse_prefix_cache_tier_pages", "Pages whose entries a tier holds", labels=["model", "tier"])
+    for t in ("host", "disk"):
+        pages.add_metric([model, t], float(pc.get(f"{t}_pages", 0)))
+    yield pages
     yield one(GaugeMetricFamily, "hisparse_prefix_cache_state_snapshots", "State snapshots cached", pc["state_snapshots"])
     yield one(GaugeMetricFamily, "hisparse_prefix_cache_state_bytes_every_page",
               "State bytes a snapshot at every cached page would hold", pc["state_bytes_every_page"])

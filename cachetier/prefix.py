@@ -302,6 +302,8 @@ class PrefixCache:
         self.count["disk_reads"] += 1
         self.count["disk_read_bytes"] += part.file_bytes
         part.value, part.nbytes = value, value.total_bytes()
+        if part.kind == STATE:
+            self.state_snapshot_bytes = part.nbytes
         self.host_lru[part.key] = part
         self.host_bytes += part.nbytes
         return value

@@ -62,7 +62,7 @@ from prefill.worker import PrefillRequest
 log = logging.getLogger(__name__)
 PREFIX_SUMS = ("lookups", "prompt_tokens", "hit_tokens", "nodes", "state_snapshots", "host_seg_bytes", "host_state_bytes",
                "disk_seg_bytes", "disk_state_bytes", "state_bytes_every_page", "evictions", "disk_drops", "disk_reads",
-               "disk_writes", "disk_read_bytes", "disk_write_bytes", "disk_errors")
+               "disk_writes", "disk_read_bytes", "disk_write_bytes", "disk_errors", "host_pages", "disk_pages")
 """Prefix-cache numbers summed over the prefill actors for /metrics."""
 
 
@@ -518,6 +518,7 @@ class Frontend:
         caches = [m.stats["prefix_cache"] for m in self.prefill if m.stats.get("prefix_cache")]
         if caches:
             out["prefix_cache"] = {k: sum(c[k] for c in caches) for k in PREFIX_SUMS}
+            out["prefix_cache"]["page_tokens"] = max(c["page_tokens"] for c in caches)
         return out
 
 
