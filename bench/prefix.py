@@ -142,8 +142,9 @@ def cache_numbers(m: dict, before: dict) -> dict:
         out[f"{tier}_bytes_per_cached_token"] = round(total / (pages * page), 1) if pages and page else None
         out[f"{tier}_classical_bytes_per_cached_token"] = (round(b[(tier, "classical")] / (pages * page), 1)
                                                           if pages and page else None)
+    # tensor bytes of the state snapshots kept (in any tier) against a snapshot at every cached page
     every = m.get("hisparse_prefix_cache_state_bytes_every_page", 0.0)
-    kept = max(b[("host", "state")], b[("disk", "state")])
+    kept = every * out["state_snapshots"] / out["pages"] if out["pages"] else 0.0
     out["state_policy"] = {"state_bytes_kept": int(kept), "state_bytes_snapshot_every_page": int(every),
                            "kept_over_every_page": round(kept / every, 4) if every else None}
     return out
