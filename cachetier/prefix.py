@@ -148,6 +148,9 @@ class PrefixCache:
         self.host_lru: OrderedDict[tuple[str, str], Part] = OrderedDict()
         self.disk_lru: OrderedDict[tuple[str, str], Part] = OrderedDict()
         self.host_bytes = self.disk_bytes = 0
+        self.num_states = 0
+        self.tally = {(tier, kind): [0, 0] for tier in ("host", "disk") for kind in (SEG, STATE)}
+        """(tier, part kind) -> [bytes, parts]: kept as parts move, so stats never walk the cache."""
         self.count = dict.fromkeys(("lookups", "prompt_tokens", "hit_tokens", "evictions", "disk_drops", "disk_reads",
                                     "disk_writes", "disk_read_bytes", "disk_write_bytes", "disk_errors"), 0)
         self.state_snapshot_bytes = 0
@@ -248,6 +251,7 @@ class PrefixCache:
             if state:
                 if node.state is None:
                     node.state = self._add(node, STATE, _state_of(layout))
+                    self.num_states += 1
                     self.state_snapshot_bytes = node.state.nbytes
                 else:
                     self._touch(node.state)
@@ -267,9 +271,8 @@ class PrefixCache:
     # --- tiers ----------------------------------------------------------------------------------------
 
     def _add(self, node: Node, kind: str, value: KVLayout) -> Part:
-        part = Part(node, kind, value, value.total_bytes())
-        self.host_lru[part.key] = part
-        self.host_bytes += part.nbytes
+        part = Part(node, kind, None, value.total_bytes())
+        self._to_host(part, value)
         if self.disk is not None:
             self._write(part)
         return part
@@ -282,9 +285,7 @@ class PrefixCache:
         except OSError as e:
             log.warning("prefix cache: cannot write %s.%s: %s", node.digest, part.kind, e)
             return
-        part.file_bytes = size
-        self.disk_bytes += size
-        self.disk_lru[part.key] = part
+        self._to_disk(part, size)
         self.count["disk_writes"] += 1
         self.count["disk_write_bytes"] += size
         self._trim_disk()
@@ -301,12 +302,43 @@ class PrefixCache:
             raise
         self.count["disk_reads"] += 1
         self.count["disk_read_bytes"] += part.file_bytes
-        part.value, part.nbytes = value, value.total_bytes()
+        part.nbytes = value.total_bytes()
         if part.kind == STATE:
             self.state_snapshot_bytes = part.nbytes
+        self._to_host(part, value)
+        return value
+
+    def _to_host(self, part: Part, value: KVLayout) -> None:
+        part.value = value
         self.host_lru[part.key] = part
         self.host_bytes += part.nbytes
-        return value
+        t = self.tally[("host", part.kind)]
+        t[0] += part.nbytes
+        t[1] += 1
+
+    def _from_host(self, part: Part) -> None:
+        del self.host_lru[part.key]
+        self.host_bytes -= part.nbytes
+        t = self.tally[("host", part.kind)]
+        t[0] -= part.nbytes
+        t[1] -= 1
+        part.value = None
+
+    def _to_disk(self, part: Part, size: int) -> None:
+        part.file_bytes = size
+        self.disk_lru[part.key] = part
+        self.disk_bytes += size
+        t = self.tally[("disk", part.kind)]
+        t[0] += size
+        t[1] += 1
+
+    def _from_disk(self, part: Part) -> None:
+        del self.disk_lru[part.key]
+        self.disk_bytes -= part.file_bytes
+        t = self.tally[("disk", part.kind)]
+        t[0] -= part.file_bytes
+        t[1] -= 1
+        part.file_bytes = 0
 
     def _touch(self, part: Part) -> None:
         if part.key in self.host_lru:
@@ -321,9 +353,7 @@ class PrefixCache:
                 return  # everything left is in use
             before = len(self.host_lru)
             if part.file_bytes:
-                del self.host_lru[part.key]
-                self.host_bytes -= part.nbytes
-                part.value = None
+                self._from_host(part)
             else:
                 self._drop(part)
             self.count["evictions"] += before - len(self.host_lru)
@@ -342,15 +372,11 @@ class PrefixCache:
 
     def _unfile(self, part: Part) -> None:
         self.disk.remove(part.node.digest, part.kind)
-        self.disk_bytes -= part.file_bytes
-        part.file_bytes = 0
-        self.disk_lru.pop(part.key, None)
+        self._from_disk(part)
 
     def _forget(self, part: Part) -> None:
         if part.value is not None:
-            self.host_bytes -= part.nbytes
-            self.host_lru.pop(part.key, None)
-            part.value = None
+            self._from_host(part)
         if part.file_bytes:
             self._unfile(part)
 
@@ -360,6 +386,7 @@ class PrefixCache:
         if part.kind == STATE:
             self._forget(part)
             node.state = None
+            self.num_states -= 1
             return
         stack, order = [node], []
         while stack:
@@ -370,6 +397,7 @@ class PrefixCache:
             for p in (n.state, n.seg):
                 if p is not None:
                     self._forget(p)
+            self.num_states -= n.state is not None
             n.state = n.seg = None
             self.nodes.pop(n.digest, None)
         del node.parent.children[node.key]
@@ -390,7 +418,7 @@ class PrefixCache:
                 child = Node(r.tokens, node, r.digest)
                 node.children[r.tokens] = child
                 self.nodes[r.digest] = child
-                child.seg = Part(child, SEG, None, 0, r.file_bytes)
+                child.seg = Part(child, SEG, None, 0)
                 frontier.append((child, r.digest))
         for r in records:
             node = self.nodes.get(r.digest)
@@ -398,30 +426,21 @@ class PrefixCache:
                 self.disk.remove(r.digest, r.kind)
                 continue
             if r.kind == STATE:
-                node.state = Part(node, STATE, None, 0, r.file_bytes)
-            part = node.seg if r.kind == SEG else node.state
-            self.disk_lru[part.key] = part
-            self.disk_bytes += r.file_bytes
+                node.state = Part(node, STATE, None, 0)
+                self.num_states += 1
+            self._to_disk(node.seg if r.kind == SEG else node.state, r.file_bytes)
         self._trim_disk()
 
     # --- numbers and checks ---------------------------------------------------------------------------
 
     def stats(self) -> PrefixCacheStats:
         with self._lock:
-            host = {SEG: 0, STATE: 0}
-            disk = {SEG: 0, STATE: 0}
-            for p in self.host_lru.values():
-                host[p.kind] += p.nbytes
-            for p in self.disk_lru.values():
-                disk[p.kind] += p.file_bytes
-            n_state = sum(n.state is not None for n in self.nodes.values())
+            t = self.tally
             return PrefixCacheStats(
                 **{k: self.count[k] for k in ("lookups", "prompt_tokens", "hit_tokens")},
-                nodes=len(self.nodes), state_snapshots=n_state,
-                host_seg_bytes=host[SEG], host_state_bytes=host[STATE],
-                host_pages=sum(1 for p in self.host_lru.values() if p.kind == SEG),
-                disk_seg_bytes=disk[SEG], disk_state_bytes=disk[STATE],
-                disk_pages=sum(1 for p in self.disk_lru.values() if p.kind == SEG),
+                nodes=len(self.nodes), state_snapshots=self.num_states,
+                host_seg_bytes=t[("host", SEG)][0], host_state_bytes=t[("host", STATE)][0], host_pages=t[("host", SEG)][1],
+                disk_seg_bytes=t[("disk", SEG)][0], disk_state_bytes=t[("disk", STATE)][0], disk_pages=t[("disk", SEG)][1],
                 state_snapshot_bytes=self.state_snapshot_bytes,
                 state_bytes_every_page=len(self.nodes) * self.state_snapshot_bytes,
                 **{k: self.count[k] for k in ("evictions", "disk_drops", "disk_reads", "disk_writes", "disk_read_bytes",
@@ -432,8 +451,7 @@ class PrefixCache:
     def check_integrity(self) -> None:
         """Bookkeeping agrees with itself: tier byte counts, LRU membership, tree links, pins. Raises if not."""
         with self._lock:
-            host = disk = 0
-            seen = 0
+            host = disk = seen = states = 0
             stack = [self.root]
             while stack:
                 n = stack.pop()
@@ -446,6 +464,7 @@ class PrefixCache:
                         raise RuntimeError(f"node {c.digest} is pinned more than its parent")
                     stack.append(c)
                 seen += n is not self.root
+                states += n.state is not None
                 for p in (n.seg, n.state):
                     if p is None:
                         continue
@@ -455,7 +474,10 @@ class PrefixCache:
                         raise RuntimeError(f"part {p.key} is in no tier")
                     host += p.nbytes if p.value is not None else 0
                     disk += p.file_bytes
-            if seen != len(self.nodes) or host != self.host_bytes or disk != self.disk_bytes:
+            tally_host = sum(v[0] for (tier, _), v in self.tally.items() if tier == "host")
+            tally_disk = sum(v[0] for (tier, _), v in self.tally.items() if tier == "disk")
+            if (seen != len(self.nodes) or host != self.host_bytes or disk != self.disk_bytes or tally_host != host
+                    or tally_disk != disk or states != self.num_states):
                 raise RuntimeError(f"counts disagree: nodes {seen}/{len(self.nodes)}, host {host}/{self.host_bytes}, "
                                    f"disk {disk}/{self.disk_bytes}")
             if len(self.host_lru) + len(self.disk_lru) < len(self.nodes):
