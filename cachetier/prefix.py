@@ -22,8 +22,8 @@ cached path (so the next prompt sharing, say, a system prompt resumes at its end
 at every page. Stats report the state bytes kept beside what `every` would keep.
 
 Tiers: parts live in host memory under a byte budget, least recently used first out; with a disk tier
-every part is also written to a file when stored (write-through, so a restart finds the whole cache), and a
-host eviction then only frees memory; a part read back from disk on a hit returns to host memory. The disk
+every part is also written to a file when stored (write-through by a writer thread, so a restart finds the
+whole cache), and a host eviction then only frees memory; a part read back from disk on a hit returns to host memory. The disk
 tier has its own budget; when a file must go and the part is not in memory, the part is dropped. Dropping
 a page drops the pages below it (their entries are useless without it). A lookup pins the nodes of the
 matched path (reference counts) until `release`: pinned parts are never evicted.
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import queue
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -52,10 +53,14 @@ log = logging.getLogger(__name__)
 class Part:
     """One cached part of a node (`seg`: the page's classical entries; `state`: the state at its end)."""
 
-    __slots__ = ("node", "kind", "value", "nbytes", "file_bytes")
+    __slots__ = ("node", "kind", "value", "nbytes", "file_bytes", "writing", "dropped")
 
     def __init__(self, node: Node, kind: str, value: KVLayout | None, nbytes: int, file_bytes: int = 0) -> None:
         self.node, self.kind, self.value, self.nbytes, self.file_bytes = node, kind, value, nbytes, file_bytes
+        self.writing = False
+        """Queued for the disk writer: stays in memory until its file exists."""
+        self.dropped = False
+        """Dropped while its file was being written: the writer removes the file."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -156,8 +161,14 @@ class PrefixCache:
         self.state_snapshot_bytes = 0
         self._lock = threading.RLock()
         self.disk = DiskTier(config.directory, fmt) if config.disk_enabled else None
+        self._queue: queue.SimpleQueue[Part | None] = queue.SimpleQueue()
+        self._idle = threading.Condition(self._lock)
+        self._queued = 0
+        self._writer: threading.Thread | None = None
         if self.disk is not None:
             self._load_index()
+            self._writer = threading.Thread(target=self._write_loop, name="prefix-cache-writer", daemon=True)
+            self._writer.start()
 
     # --- lookup and resume ----------------------------------------------------------------------------
 
@@ -274,21 +285,57 @@ class PrefixCache:
         part = Part(node, kind, None, value.total_bytes())
         self._to_host(part, value)
         if self.disk is not None:
-            self._write(part)
+            self._enqueue(part)
         return part
 
-    def _write(self, part: Part) -> None:
-        node = part.node
-        parent = None if node.parent is None or node.parent is self.root else node.parent.digest
-        try:
-            size = self.disk.write(node.digest, part.kind, parent, node.key if part.kind == SEG else (), part.value)
-        except OSError as e:
-            log.warning("prefix cache: cannot write %s.%s: %s", node.digest, part.kind, e)
-            return
-        self._to_disk(part, size)
-        self.count["disk_writes"] += 1
-        self.count["disk_write_bytes"] += size
-        self._trim_disk()
+    # Files are written by a thread of their own, so the prefill step that stores a part does not wait for
+    # its file (a V4 state snapshot is ~8 MB). A part waiting for its file stays in memory (eviction skips
+    # it); a part dropped meanwhile has its file removed once written.
+
+    def _enqueue(self, part: Part) -> None:
+        part.writing = True
+        self._queued += 1
+        self._queue.put(part)
+
+    def _write_loop(self) -> None:
+        while True:
+            part = self._queue.get()
+            if part is None:
+                return
+            node = part.node
+            parent = None if node.parent is None or node.parent is self.root else node.parent.digest
+            size, value = 0, part.value  # parts never change once stored: read without the lock
+            try:
+                if value is not None and not part.dropped:
+                    size = self.disk.write(node.digest, part.kind, parent, node.key if part.kind == SEG else (), value)
+            except OSError as e:
+                log.warning("prefix cache: cannot write %s.%s: %s", node.digest, part.kind, e)
+            with self._lock:
+                part.writing = False
+                if part.dropped:
+                    if size:
+                        self.disk.remove(node.digest, part.kind)
+                elif size:
+                    self._to_disk(part, size)
+                    self.count["disk_writes"] += 1
+                    self.count["disk_write_bytes"] += size
+                    self._trim_disk()
+                self._evict_host()  # it may have waited for its file to leave memory
+                self._queued -= 1
+                self._idle.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued file is written (tests, shutdown); False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._queued == 0, timeout)
+
+    def close(self) -> None:
+        """Finish the queued writes and stop the writer."""
+        if self._writer is not None:
+            self.flush()
+            self._queue.put(None)
+            self._writer.join()
+            self._writer = None
 
     def _get(self, part: Part) -> KVLayout:
         """The part's value, read back from disk into host memory if it is only there."""
@@ -348,9 +395,9 @@ class PrefixCache:
 
     def _evict_host(self) -> None:
         while self.host_bytes > self.config.host_bytes:
-            part = next((p for p in self.host_lru.values() if p.node.refs == 0), None)
+            part = next((p for p in self.host_lru.values() if p.node.refs == 0 and not p.writing), None)
             if part is None:
-                return  # everything left is in use
+                return  # everything left is in use or waiting for its file
             before = len(self.host_lru)
             if part.file_bytes:
                 self._from_host(part)
@@ -375,6 +422,8 @@ class PrefixCache:
         self._from_disk(part)
 
     def _forget(self, part: Part) -> None:
+        if part.writing:
+            part.dropped = True
         if part.value is not None:
             self._from_host(part)
         if part.file_bytes:

@@ -248,6 +248,7 @@ def test_spill_to_disk_and_reload_on_a_hit(tiny_model, tmp_path):
         enabled=True, page_tokens=PAGE, host_bytes=0, disk_bytes=1 << 30, directory=str(tmp_path))))
     p = _tokens(200, vocab, 16)
     _prefill(w, p)
+    assert w.prefix_cache.flush(30)  # files are written by the cache's writer thread
     st = w.prefix_cache.stats()
     assert st.host_seg_bytes == st.host_state_bytes == 0  # all spilled
     assert st.disk_pages == 3 and st.disk_writes == 4 and st.evictions == 4
@@ -265,6 +266,7 @@ def test_corrupt_file_is_a_miss(tiny_model, tmp_path):
     c = _disk_cache(tiny_model, tmp_path)
     p = _tokens(128, vocab, 18)
     c.store(p, _layout(tiny_model, p))
+    c.flush()
     state = next(f for f in _files(tmp_path) if f.endswith(".state"))
     path = tmp_path / state
     raw = bytearray(path.read_bytes())
@@ -276,6 +278,7 @@ def test_corrupt_file_is_a_miss(tiny_model, tmp_path):
     c.release(hit)
     # a corrupt page takes the pages after it along
     c.store(p, _layout(tiny_model, p))
+    c.flush()
     c.config = PrefixCacheConfig(enabled=True, page_tokens=PAGE, host_bytes=0, disk_bytes=1 << 30, directory=str(tmp_path))
     c._evict_host()
     first = tmp_path / f"{c.root.children[tuple(p[:64])].digest}.seg"
@@ -291,6 +294,7 @@ def test_cache_directory_survives_a_restart(tiny_model, tmp_path):
     w = PrefillWorker(tiny_model, PrefillConfig(prefix_cache=pc))
     p = _tokens(260, vocab, 19)
     _prefill(w, p)  # written through to disk while it stays in memory
+    w.prefix_cache.close()
     (tmp_path / ".tmp-leftover.seg.1").write_bytes(b"half a file")  # an interrupted write
     (tmp_path / "ffff.seg").write_bytes(b"not ours")
 
@@ -310,14 +314,39 @@ def test_disk_budget_drops_least_recently_used(tiny_model, tmp_path):
     probe = _disk_cache(tiny_model, tmp_path / "probe")
     p1 = _tokens(64, vocab, 21)
     probe.store(p1, _layout(tiny_model, p1))
+    probe.flush()
     per_prompt = probe.disk_bytes
     c = _disk_cache(tiny_model, tmp_path / "c", disk_bytes=2 * per_prompt)
     prompts = [_tokens(64, vocab, s) for s in (22, 23, 24)]
     for p in prompts:
         c.store(p, _layout(tiny_model, p))
+        c.flush()
     st = c.stats()
     assert st.disk_drops == 2 and c.disk_bytes <= 2 * per_prompt
     assert c.acquire(prompts[0] + [1], 64).tokens == 0
     assert c.acquire(prompts[2] + [1], 64).tokens == 64
     assert len(_files(tmp_path / "c")) == 4
     c.check_integrity()
+
+
+def test_a_part_dropped_while_its_file_is_written_leaves_no_file(tiny_model, tmp_path):
+    vocab = tiny_model.cfg.vocab_size
+    c = _disk_cache(tiny_model, tmp_path, host_bytes=1 << 30)
+    gate, write = threading.Event(), c.disk.write
+
+    def slow_write(*args):
+        gate.wait(10)
+        return write(*args)
+
+    c.disk.write = slow_write
+    p = _tokens(64, vocab, 25)
+    c.store(p, _layout(tiny_model, p))
+    c.config = PrefixCacheConfig(enabled=True, page_tokens=PAGE, host_bytes=0, disk_bytes=1 << 30, directory=str(tmp_path))
+    c._evict_host()
+    assert c.stats().nodes == 1 and c.host_bytes > 0  # waiting for its files: not evicted yet
+    c._drop(c.root.children[tuple(p)].seg)  # dropped (as a failed read would) while the writes are queued
+    gate.set()
+    assert c.flush(30)
+    assert _files(tmp_path) == [] and c.stats().disk_writes == 0
+    c.check_integrity()
+    c.close()
