@@ -480,6 +480,15 @@ class PrefixCache:
             self._to_disk(node.seg if r.kind == SEG else node.state, r.file_bytes)
         self._trim_disk()
 
+    def held_pages(self, limit: int = 100_000) -> list[str]:
+        """Names of cached pages, shallowest first (at most `limit`): what routing may send here."""
+        with self._lock:
+            out, level = [], [self.root]
+            while level and len(out) < limit:
+                level = [c for n in level for c in n.children.values()]
+                out += [n.digest for n in level]
+            return out[:limit]
+
     # --- numbers and checks ---------------------------------------------------------------------------
 
     def stats(self) -> PrefixCacheStats:

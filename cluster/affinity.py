@@ -1,8 +1,9 @@
 """Prefix-affinity routing: send a prompt to the prefill actor whose prefix cache most likely holds its start.
 
-The router cannot see inside the actors' caches, so it remembers what it sent where (as the prefix-aware
-routers of Ray Serve LLM and SGLang do): for each actor, the chain keys of the pages of prompts routed to it
-(key of page k = hash of key k-1 and the page's tokens, so one key names a whole prefix). A new prompt goes
+The router remembers what it sent where (as the prefix-aware routers of Ray Serve LLM and SGLang do): for
+each actor, the chain keys of the pages of prompts routed to it — the names the actors' caches give their
+pages (`cachetier.prefix.page_digest`: one key names a whole prefix) — seeded at start-up, and when an actor
+comes back, with the pages the actor reports holding (its disk tier survives restarts). A new prompt goes
 to the actor with the longest remembered prefix, unless that actor's load exceeds the least loaded one's by
 more than `slack_tokens` (the load cap: one hot prefix must not pile every request onto one actor); then
 it goes to the least loaded. Memory per actor is bounded (least recently routed keys are forgotten first).
@@ -14,24 +15,26 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from cachetier.prefix import ROOT, page_digest
+
 
 class PrefixAffinity:
     def __init__(self, page_tokens: int, slack_tokens: int, max_keys: int = 200_000) -> None:
         if page_tokens < 1:
             raise ValueError("page_tokens must be >= 1")
         self.page, self.slack, self.max_keys = page_tokens, slack_tokens, max_keys
-        self.seen: dict[str, OrderedDict[int, None]] = {}
+        self.seen: dict[str, OrderedDict[str, None]] = {}
         self.count = {"affinity": 0, "capped": 0, "least_loaded": 0}
         """Routing decisions: to the actor holding the prefix; away from it for load; no prefix known."""
 
-    def keys(self, tokens: Sequence[int]) -> list[int]:
-        out, h = [], 0
+    def keys(self, tokens: Sequence[int]) -> list[str]:
+        out, h = [], ROOT
         for k in range(len(tokens) // self.page):
-            h = hash((h, tuple(tokens[k * self.page : (k + 1) * self.page])))
+            h = page_digest(h, tuple(tokens[k * self.page : (k + 1) * self.page]))
             out.append(h)
         return out
 
-    def matched_pages(self, name: str, keys: list[int]) -> int:
+    def matched_pages(self, name: str, keys: list[str]) -> int:
         seen = self.seen.get(name)
         if not seen:
             return 0
@@ -65,7 +68,7 @@ class PrefixAffinity:
         self.record(choice, keys)
         return choice
 
-    def record(self, name: str, keys: list[int]) -> None:
+    def record(self, name: str, keys: list[str]) -> None:
         seen = self.seen.setdefault(name, OrderedDict())
         for k in reversed(keys):  # shorter prefixes become the most recent: forgotten last
             seen[k] = None
@@ -76,3 +79,8 @@ class PrefixAffinity:
     def forget(self, name: str) -> None:
         """The actor lost its cache (it died or restarted)."""
         self.seen.pop(name, None)
+
+    def seed(self, name: str, held: Sequence[str]) -> None:
+        """What the actor reports holding (page names, shallowest first) replaces what was remembered."""
+        self.forget(name)
+        self.record(name, list(held)[-self.max_keys :] if len(held) > self.max_keys else list(held))

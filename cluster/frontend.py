@@ -168,6 +168,9 @@ class Frontend:
         slack = next((i.get("prefix_affinity_slack") for _, i in prefill if i.get("prefix_affinity_slack") is not None), 0)
         self.affinity = PrefixAffinity(page, slack) if page and len(prefill) > 1 else None
         """Prefix-affinity routing, when the prefill actors cache prefixes and there is a choice."""
+        if self.affinity is not None:
+            for m in self.prefill:  # what their disk tiers kept from an earlier run
+                self.affinity.seed(m.name, m.info.get("prefix_pages") or [])
         self.decode = [Member(h, i["name"], i) for h, i in decode]
         self.collectors: dict[str, Collector] = {}
         self.retries = {"prefill": 0, "decode": 0}
@@ -229,6 +232,8 @@ class Frontend:
             await asyncio.sleep(0.5)
             return
         log.info("%s answers again; it rejoins", m.name)
+        if self.affinity is not None and any(x is m for x in self.prefill):
+            self.affinity.seed(m.name, m.info.get("prefix_pages") or [])
         m.alive, m.hung, m.report = True, False, None
         m.lost = asyncio.Event()
         if m.orphans:  # a restarted actor has none of them; one that was only unreachable must drop them

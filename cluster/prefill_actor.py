@@ -109,7 +109,8 @@ class PrefillActor:
         cache = self.worker.prefix_cache
         return {"name": self.name, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "layout_format": self.format, "prefix_page_tokens": cache.page if cache is not None else None,
-                "prefix_affinity_slack": self.config.prefix_cache.affinity_slack_tokens}
+                "prefix_affinity_slack": self.config.prefix_cache.affinity_slack_tokens,
+                "prefix_pages": cache.held_pages() if cache is not None else []}
 
     async def prefill(self, req, target: DecodeTarget | None = None) -> PrefillOutcome:
         """Prefill `req`; unless its first token ends it, hand it to `target` and return once decode holds it."""

@@ -78,7 +78,7 @@ def test_prefix_cache_through_http_and_a_restart(tiny_dir, tmp_path):
     finally:
         _stop(proc)
 
-    # the same directory: each actor rebuilds its index from its files (routing ties go to the first actor, as before)
+    # the same directory: each actor rebuilds its index from its files and reports its pages to the router
     proc = _serve(tiny_dir, tmp_path, port)
     try:
         wait_healthy(url, proc)
@@ -86,5 +86,6 @@ def test_prefix_cache_through_http_and_a_restart(tiny_dir, tmp_path):
         text = _settled(url, 'hisparse_prefix_cache_disk_ops_total{model="tiny",op="read"}', 1)
         assert _metric(text, 'hisparse_prefix_cache_disk_ops_total{model="tiny",op="read"}') >= 4  # 3 pages + a state
         assert _metric(text, "hisparse_prefix_cache_hit_tokens_total") == 192
+        assert _metric(text, 'hisparse_prefix_routing_total{decision="affinity"') == 1  # seeded from the actors
     finally:
         _stop(proc)

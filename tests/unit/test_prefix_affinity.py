@@ -54,6 +54,21 @@ def test_memory_is_bounded_and_keeps_short_prefixes_longest():
     assert r.matched_pages("a", r.keys(list(range(40)))) == 3
 
 
+def test_keys_are_the_cache_page_names_and_seeding(tiny_model):
+    from cachetier.layout import layout_format
+    from cachetier.prefix import PrefixCache
+    from core.roles import PrefixCacheConfig
+
+    cache = PrefixCache(tiny_model.cfg, PrefixCacheConfig(enabled=True, page_tokens=32),
+                        layout_format(tiny_model.cfg, tiny_model.dtype))
+    tokens = list(range(6, 6 + 96))
+    cache.store(tokens, tiny_model.prefill(tokens)[1])
+    r = PrefixAffinity(32, slack_tokens=1000)
+    assert cache.held_pages() == r.keys(tokens)  # the router names pages as the cache does
+    r.seed("b", cache.held_pages())  # e.g. an actor that rebuilt its cache from disk after a restart
+    assert r.pick({"a": 0, "b": 10}, tokens + [1, 2]) == "b" and r.count["affinity"] == 1
+
+
 def test_frontend_routes_by_prefix():
     class Handle:
         pass
