@@ -94,10 +94,13 @@ class DiskTier:
         if header.get("format") != self.format or header.get("digest") != digest or header.get("kind") != kind:
             raise CorruptPart(f"{digest}.{kind} belongs to another model or name")
         payload = bytearray(body[start:])  # writable, owned: the unpacked tensors view it
-        packed = PackedLayout(header["num_tokens"], header["format"],
-                              tuple((i, p, d, tuple(s), o) for i, p, d, s, o in header["table"]),
-                              tuple(header["kinds"]), np.frombuffer(payload, dtype=np.uint8), header["tensor_bytes"])
-        return unpack_layout(packed)
+        try:
+            packed = PackedLayout(header["num_tokens"], header["format"],
+                                  tuple((i, p, d, tuple(s), o) for i, p, d, s, o in header["table"]),
+                                  tuple(header["kinds"]), np.frombuffer(payload, dtype=np.uint8), header["tensor_bytes"])
+            return unpack_layout(packed)
+        except (KeyError, ValueError, TypeError, AttributeError, RuntimeError) as e:  # a file of another version
+            raise CorruptPart(f"{digest}.{kind} cannot be unpacked: {type(e).__name__}: {e}") from None
 
     def remove(self, digest: str, kind: str) -> None:
         try:

@@ -143,11 +143,18 @@ class PrefillWorker:
         if cache is None:
             return
         limit = 0 if p.wants_logprobs else len(p.tokens) - 1  # prompt log-probabilities need every position's logits
-        p.hit = cache.acquire(p.tokens, limit)
-        if p.hit.tokens:
-            cache.restore(p.hit, p.layout)
-            p.done = p.hit.tokens
-        p.snapshots = cache.snapshot_points(len(p.tokens), p.hit)
+        try:
+            p.hit = cache.acquire(p.tokens, limit)
+            if p.hit.tokens:
+                cache.restore(p.hit, p.layout)
+                p.done = p.hit.tokens
+            p.snapshots = cache.snapshot_points(len(p.tokens), p.hit)
+        except Exception:  # the cache is an optimisation: on any failure of its own, prefill from the start
+            log.exception("prefix cache: lookup for %s failed; prefilling it whole", p.req.request_id)
+            self._release(p)
+            p.hit, p.done, p.snapshots = None, 0, []
+            p.layout = self.model.new_layout()
+            p.layout.reserve(self.model.cfg, len(p.tokens))
 
     def queued_tokens(self) -> int:
         return sum(len(p.tokens) - p.done for p in self.pending.values())

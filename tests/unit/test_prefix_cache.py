@@ -350,3 +350,20 @@ def test_a_part_dropped_while_its_file_is_written_leaves_no_file(tiny_model, tmp
     assert _files(tmp_path) == [] and c.stats().disk_writes == 0
     c.check_integrity()
     c.close()
+
+
+def test_a_failing_cache_never_fails_a_request(tiny_model):
+    vocab = tiny_model.cfg.vocab_size
+    w = _worker(tiny_model)
+    p = _tokens(150, vocab, 26)
+    _prefill(w, p)
+
+    def broken(*_):
+        raise RuntimeError("broken restore")
+
+    w.prefix_cache.restore = broken
+    computed = w.tokens_in
+    res = _prefill(w, p)
+    assert w.tokens_in - computed == len(p)  # prefilled whole
+    assert _continue(tiny_model, res)[0] == _continue(tiny_model, _prefill(_plain(tiny_model), p))[0]
+    assert all(n.refs == 0 for n in w.prefix_cache.nodes.values())  # the failed lookup released its pins
