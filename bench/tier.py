@@ -192,12 +192,14 @@ def lru_miss_rate_on_trace(k: int, n_entries: int, steps: int, buffer_slots: int
     from kernels.resolve_ref import resolve_ref
 
     trace = DriftingTopK(k, seed=seed)
-    entry_map = torch.full((n_entries,), -1, dtype=torch.int32)
-    hot_kv = torch.zeros(1, buffer_slots, 1)
-    entry_row = torch.full((1, buffer_slots), -1, dtype=torch.long)
-    stamp = torch.full((1, buffer_slots), -1, dtype=torch.long)
+    # one request's hot buffer (book 0) plus the scratch row, map element and book the resolve writes idle lanes to
+    entry_map = torch.full((n_entries + 1,), -1, dtype=torch.int32)
+    hot_kv = torch.zeros(2 * buffer_slots)  # rows of width 1
+    entry_row = torch.full((2, buffer_slots), -1, dtype=torch.long)
+    stamp = torch.full((2, buffer_slots), -1, dtype=torch.long)
     host = torch.zeros(n_entries, 1)
     counters = torch.zeros(3, dtype=torch.long)
+    zero = torch.zeros(1, dtype=torch.long)
     sels = []
     warm = steps // 10
     for t in range(steps):
@@ -205,7 +207,7 @@ def lru_miss_rate_on_trace(k: int, n_entries: int, steps: int, buffer_slots: int
         sels.append(ids[0])
         if t == warm:
             counters.zero_()  # leave out the cold start
-        resolve_ref(ids, ids, ids, torch.zeros(1, dtype=torch.long), entry_map, hot_kv, entry_row, stamp, host, t, counters)
+        resolve_ref(ids, ids, ids, zero, zero, entry_map, hot_kv, entry_row, stamp, host, torch.tensor(t), counters)
     hits, misses = counters[0].item(), counters[1].item()
     return misses / (hits + misses), overlap_of(sels)
 

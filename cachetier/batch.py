@@ -3,8 +3,17 @@
 The decode step of the model never touches storage directly: it asks a `DecodeKV` for the window
 ring, the compressor tails and the entries of each layer, and for the C4 entries its indexer
 selected. `LayoutBatch` answers from plain `KVLayout`s (everything resident); the decode worker's
-tiered store answers from its device pools, host pool and hot buffers. Both hand the attention the
-same `Segment`s — the same rows in the same order — so the two give bit-identical results.
+tiered store answers from its device arena, host pool and hot buffers (`cachetier.tiered_batch`).
+Both hand the attention the same `Segment`s — the same rows in the same order, padded to the same
+lengths — so the two give bit-identical results.
+
+Every operation has static shapes: the whole batch does the same work each step and masks say
+which rows it counts for (which rows complete a compressor window, which entries exist). That is
+what lets the tiered store's step run compiled or captured in a CUDA graph. Gather lengths come
+from the step's context bucket (`cachetier.buckets`).
+
+A step is `begin_step()`, the layers, `end_step()` (all on the device, nothing read back), then
+`advance()` on the host once the step has run.
 """
 
 from __future__ import annotations
@@ -13,8 +22,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
+from cachetier.buckets import context_blocks, gather_len
+from cachetier.geometry import default_block_tokens
 from cachetier.layout import C4, HCA_ENTRIES, INDEX_KEYS, KVLayout
 from core.config import ModelConfig
 
@@ -40,19 +50,33 @@ def window_rows(positions: torch.Tensor, window: int) -> torch.Tensor:
     return held >= 0
 
 
+def emitting(positions: torch.Tensor, rate: int) -> torch.Tensor:
+    """[batch] bool: the token at `positions` completes a compressor window of `rate` tokens."""
+    return (positions + 1) % rate == 0
+
+
+def entry_counts(positions: torch.Tensor, rate: int) -> torch.Tensor:
+    """[batch] complete entries of `rate` once the token at `positions` is in (this step's emission included)."""
+    return (positions + 1) // rate
+
+
 class DecodeKV(ABC):
     """Per-layer storage operations of one batched decode step (one new token per request)."""
 
     positions: torch.Tensor
     """[batch] absolute position of the token decoded this step."""
+    window: int
+    """The model's sliding window."""
+    live: torch.Tensor
+    """[batch, window] bool: `window_rows` of this step, set by `begin_step`."""
 
-    def live_window(self, window: int) -> torch.Tensor:
-        """`window_rows` of this step's positions; every layer asks, so it is computed once per step
-        (the cache is keyed on the positions tensor, which `finish_step` replaces)."""
-        cached = getattr(self, "_live_window", None)
-        if cached is None or cached[0] is not self.positions:
-            self._live_window = (self.positions, window_rows(self.positions, window))
-        return self._live_window[1]
+    def begin_step(self) -> None:
+        """Derive this step's masks once; every layer reads them."""
+        self.live = window_rows(self.positions, self.window)
+
+    @abstractmethod
+    def gather_len(self, rate: int) -> int:
+        """Entries of compression `rate` each batch row gathers this step (its context bucket)."""
 
     @abstractmethod
     def write_window(self, layer: int, key: torch.Tensor) -> Segment:
@@ -63,63 +87,78 @@ class DecodeKV(ABC):
         """Store this token's compressor projections at tail row `p % rate`."""
 
     @abstractmethod
-    def tail_windows(self, layer: int, name: str, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The full tail [len(rows), rate, width] (kv, score) of the batch rows whose window just completed."""
+    def tail_windows(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every batch row's tail (kv, score) [batch, rate, width]; complete where `emitting`."""
 
     @abstractmethod
-    def overlap(self, layer: int, name: str, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """CSA: first halves of the previous complete window of these rows (score -inf if none)."""
+    def overlap(self, layer: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """CSA: first halves [batch, rate, width/2] of each row's previous complete window (score -inf if none)."""
 
     @abstractmethod
-    def set_overlap(self, layer: int, name: str, rows: torch.Tensor, kv: torch.Tensor, score: torch.Tensor) -> None:
-        ...
+    def set_overlap(self, layer: int, name: str, emit: torch.Tensor, kv: torch.Tensor, score: torch.Tensor) -> None:
+        """CSA: the rows where `emit` [batch] replace their overlap with kv/score [batch, rate, width/2]."""
 
     @abstractmethod
-    def append_entries(self, layer: int, kind: str, rows: torch.Tensor, entries: torch.Tensor) -> None:
-        """Append one new entry per listed batch row; `kind` is `c4`, `hca` or `index_keys`."""
+    def append_entries(self, layer: int, kind: str, emit: torch.Tensor, entries: torch.Tensor) -> None:
+        """The rows where `emit` [batch] append their row of `entries` [batch, dim]; `kind` is `c4`, `hca`
+        or `index_keys`. The entry's index is `entry_counts(p, rate) - 1`."""
 
     @abstractmethod
     def hca_segment(self, layer: int) -> Segment:
-        """All HCA entries of each request (every complete one is visible at decode)."""
+        """All HCA entries of each request (every complete one is visible at decode), [batch, gather_len]."""
 
     @abstractmethod
     def index_keys(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indexer keys padded to [batch, max_entries, index_dim], and the count per request."""
+        """Indexer keys [batch, gather_len, index_dim] (zero past the end), and the count per request."""
 
     @abstractmethod
     def c4_segment(self, layer: int, ids: torch.Tensor) -> Segment:
         """The C4 entries `ids` [batch, k] (-1 = none) selected by the indexer, as a segment."""
 
+    def end_step(self) -> None:  # noqa: B027 - plain layouts keep no device-side step state
+        """The device-side end of the step (e.g. the hot buffers' LRU clock); part of a captured step."""
+
     @abstractmethod
-    def finish_step(self) -> None:
-        """Every request has consumed its token: advance the lengths."""
+    def advance(self) -> None:
+        """On the host, after the step: every request has consumed its token, lengths move on."""
 
 
 class LayoutBatch(DecodeKV):
-    """`DecodeKV` over plain layouts, everything resident; advances the layouts in place."""
+    """`DecodeKV` over plain layouts, everything resident; advances the layouts in place.
+
+    The model's own decode path and the reference the tiered store is compared with: it works row
+    by row in Python (and reads masks back), so it runs eagerly only. Its gather lengths follow
+    the context bucket of the default block size, so it pads exactly as a tiered store with default
+    blocks does.
+    """
 
     def __init__(self, cfg: ModelConfig, layouts: list[KVLayout]) -> None:
         self.cfg = cfg
         self.layouts = layouts
+        self.window = cfg.sliding_window
         device = layouts[0].layers[0].window.device
-        self.positions = torch.tensor([lay.num_tokens for lay in layouts], dtype=torch.long, device=device)
         self._pos = [lay.num_tokens for lay in layouts]
+        self.positions = torch.tensor(self._pos, dtype=torch.long, device=device)
+        self.block_tokens = default_block_tokens(cfg)
+        self.num_blocks = context_blocks(max(self._pos) + 1, self.block_tokens)
+
+    def gather_len(self, rate: int) -> int:
+        return gather_len(self.num_blocks, self.block_tokens, rate)
 
     def _comp(self, layer: int, b: int, name: str):
         lk = self.layouts[b].layers[layer]
         return lk.compressor if name == MAIN else lk.index_compressor
 
     def write_window(self, layer: int, key: torch.Tensor) -> Segment:
-        w = self.cfg.sliding_window
+        w = self.window
         rings = []
         for b, lay in enumerate(self.layouts):
             ring = lay.layers[layer].window
             ring[self._pos[b] % w] = key[b]
             rings.append(ring)
         pool = torch.stack(rings).flatten(0, 1)
-        live = self.live_window(w)
         base = torch.arange(len(rings), device=key.device)[:, None] * w
-        rows = torch.where(live, base + torch.arange(w, device=key.device), -1)
+        rows = torch.where(self.live, base + torch.arange(w, device=key.device), -1)
         return Segment(pool, rows)
 
     def write_tail(self, layer, name, kv, score) -> None:
@@ -129,36 +168,36 @@ class LayoutBatch(DecodeKV):
             comp.kv[r] = kv[b]
             comp.score[r] = score[b]
 
-    def tail_windows(self, layer, name, rows):
-        comps = [self._comp(layer, int(b), name) for b in rows]
+    def tail_windows(self, layer, name):
+        comps = [self._comp(layer, b, name) for b in range(len(self.layouts))]
         return torch.stack([c.kv for c in comps]), torch.stack([c.score for c in comps])
 
-    def overlap(self, layer, name, rows):
-        comps = [self._comp(layer, int(b), name) for b in rows]
+    def overlap(self, layer, name):
+        comps = [self._comp(layer, b, name) for b in range(len(self.layouts))]
         return torch.stack([c.prev_kv for c in comps]), torch.stack([c.prev_score for c in comps])
 
-    def set_overlap(self, layer, name, rows, kv, score) -> None:
-        for i, b in enumerate(rows.tolist()):
+    def set_overlap(self, layer, name, emit, kv, score) -> None:
+        for b in torch.nonzero(emit).flatten().tolist():
             comp = self._comp(layer, b, name)
-            comp.prev_kv.copy_(kv[i])
-            comp.prev_score.copy_(score[i])
+            comp.prev_kv.copy_(kv[b])
+            comp.prev_score.copy_(score[b])
 
-    def append_entries(self, layer, kind, rows, entries) -> None:
-        for i, b in enumerate(rows.tolist()):
+    def append_entries(self, layer, kind, emit, entries) -> None:
+        assert kind in (C4, HCA_ENTRIES, INDEX_KEYS)
+        for b in torch.nonzero(emit).flatten().tolist():
             lk = self.layouts[b].layers[layer]
             if kind == INDEX_KEYS:
-                lk.index_keys = torch.cat((lk.index_keys, entries[i : i + 1]))
+                lk.index_keys = torch.cat((lk.index_keys, entries[b : b + 1]))
             else:
-                assert kind in (C4, HCA_ENTRIES)
-                lk.entries = torch.cat((lk.entries, entries[i : i + 1]))
+                lk.entries = torch.cat((lk.entries, entries[b : b + 1]))
 
     def _entry_segment(self, layer: int, ids: torch.Tensor | None) -> Segment:
         tensors = [lay.layers[layer].entries for lay in self.layouts]
         counts = torch.tensor([t.shape[0] for t in tensors], device=self.positions.device)
         offsets = torch.cumsum(counts, 0) - counts
-        pool = torch.cat(tensors)
-        if ids is None:  # every entry, in order
-            width = int(counts.max()) if len(tensors) else 0
+        pool = torch.cat(tensors + [tensors[0].new_zeros(1, tensors[0].shape[1])])  # never empty: masked rows gather row 0
+        if ids is None:  # every entry, in order, padded to the gather length
+            width = self.gather_len(self.cfg.hca_rate)
             ids = torch.arange(width, device=pool.device).expand(len(tensors), width)
             ids = torch.where(ids < counts[:, None], ids, -1)
         rows = torch.where(ids >= 0, ids + offsets[:, None], -1)
@@ -169,13 +208,16 @@ class LayoutBatch(DecodeKV):
 
     def index_keys(self, layer):
         keys = [lay.layers[layer].index_keys for lay in self.layouts]
+        out = keys[0].new_zeros(len(keys), self.gather_len(self.cfg.csa_rate), keys[0].shape[-1])
+        for b, k in enumerate(keys):
+            out[b, : k.shape[0]] = k
         counts = torch.tensor([k.shape[0] for k in keys], device=self.positions.device)
-        return pad_sequence(keys, batch_first=True), counts
+        return out, counts
 
     def c4_segment(self, layer, ids):
         return self._entry_segment(layer, ids)
 
-    def finish_step(self) -> None:
+    def advance(self) -> None:
         for lay in self.layouts:
             lay.num_tokens += 1
         self._pos = [p + 1 for p in self._pos]

@@ -41,6 +41,13 @@ class Field:
         return (base_elems + self.offset) // self.width + local_row
 
 
+def block_rows(table: torch.Tensor, entries: torch.Tensor, per_block: int) -> torch.Tensor:
+    """The pool row of each entry, for a pool cut into blocks of `per_block` rows and a request's block
+    table: table[..., e // per_block] * per_block + e % per_block (table [..., blocks], entries [..., n] >= 0).
+    The host pool's rows and the entry map's elements are both laid out this way."""
+    return table.gather(-1, entries // per_block) * per_block + entries % per_block
+
+
 def pages_for_request(group_pages: int, block_tokens: int, tokens: int) -> int:
     """Pages one request holds at `tokens` tokens: its state group plus one page per started block."""
     return group_pages + max(1, -(-tokens // block_tokens))
@@ -141,6 +148,11 @@ class Geometry:
             )
         self.num_pages = n
         self.num_groups = n // self.group_pages
+        # Scratch, outside the budget: one state group and one page after the last real page, where the
+        # padded rows of a fixed-shape decode step (and its masked-off writes) land. Nobody owns them.
+        self.scratch_group = self.num_groups
+        self.scratch_page = n + self.group_pages
+        self.arena_pages = n + self.group_pages + 1
         host_bytes = tier.host_pool_bytes if tier.host_pool_bytes is not None else 8 * budget
         self.num_host_blocks = int(host_bytes // self.host_block_bytes) if self.offload and self.host_block_bytes else 0
 
@@ -167,4 +179,5 @@ class Geometry:
             "hot_buffer_slots": self.lru if self.offload else 0, "reserved_slots": self.reserved,
             "host_blocks": self.num_host_blocks, "host_block_bytes": self.host_block_bytes,
             "device_bytes": self.device_bytes(self.num_pages), "host_bytes": self.num_host_blocks * self.host_block_bytes,
+            "scratch_bytes": (self.arena_pages - self.num_pages) * self.page_bytes,
         }

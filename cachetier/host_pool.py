@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from cachetier.geometry import block_rows
 from core.roles import format_bytes
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,5 @@ class HostPool:
             pass
 
     def rows(self, blocks: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-        """Host rows of entry ids given each request's host block table row: blocks[..., e // E] * E + e % E."""
-        e = self.entries_per_block
-        return blocks.gather(-1, (entries // e).clamp(min=0)) * e + entries % e
+        """Host rows of entry ids (>= 0) given each request's host block table row: blocks[..., e // E] * E + e % E."""
+        return block_rows(blocks, entries, self.entries_per_block)

@@ -4,6 +4,7 @@
 for C4 entries and per-request hot buffers resolved by LRU. With the tier off the same arena also
 holds the C4 entries. Both hand the attention identical rows, so the tokens are identical.
 `LayoutStore` keeps plain layouts (everything resident, no budget): the model's own decode path.
+A decode step's view of the tiered store lives in `cachetier.tiered_batch`.
 """
 
 from __future__ import annotations
@@ -13,19 +14,19 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from cachetier.batch import INDEX, MAIN, DecodeKV, LayoutBatch, Segment
-from cachetier.geometry import Geometry
+from cachetier.batch import INDEX, MAIN, DecodeKV, LayoutBatch
+from cachetier.buckets import context_blocks
+from cachetier.geometry import Geometry, block_rows
 from cachetier.host_pool import HostPool
-from cachetier.layout import HCA_ENTRIES, INDEX_KEYS, KVLayout
+from cachetier.layout import KVLayout
 from cachetier.pages import BlockAllocator, OutOfPages, PageAllocator
+from cachetier.tiered_batch import TieredBatch
 from core import device as devices
 from core.config import ModelConfig
 from core.roles import TierConfig
 from core.types import NeverFitsError
-from kernels.resolve import resolve
 from kernels.resolve_ref import EVICTIONS, HITS, MISSES
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,15 @@ class KVStore(ABC):
 
     @abstractmethod
     def batch(self, request_ids: list[str]) -> DecodeKV:
-        ...
+        """A view of exactly these requests (one row each) for one eagerly run step."""
+
+    def step_view(
+        self, request_ids: list[str], num_rows: int, num_blocks: int | None = None, tokens: list[int] | None = None
+    ) -> DecodeKV | None:
+        """The persistent view of a fixed-shape step (`num_rows` rows, `num_blocks` context blocks, or the
+        bucket these requests need), loaded with these requests and their input tokens; None if this
+        store cannot run one."""
+        return None
 
     @abstractmethod
     def check_integrity(self) -> None:
@@ -162,24 +171,38 @@ class TieredStore(KVStore):
         self.geo = g = Geometry(cfg, tier, dtype)
         dev = devices.current()
         self.device = torch.device(device) if device is not None else dev.torch_device
-        self.arena = torch.zeros(g.num_pages * g.page_elems, dtype=dtype, device=self.device)
+        # real pages first, then the scratch group and page (see `Geometry`)
+        self.arena = torch.zeros(g.arena_pages * g.page_elems, dtype=dtype, device=self.device)
         self.pages = PageAllocator(g.num_pages, g.group_pages)
         n_csa = len(g.csa_layers)
         self.host: HostPool | None = None
         self.host_alloc: BlockAllocator | None = None
+        # Per CSA layer, each its own tensor so a step updates it in place (never through a slice):
+        # entry map (one element per C4 entry of every page, scratch page last), and per state group
+        # (scratch group last) the map row each hot slot holds and each LRU slot's last-use step.
+        self.entry_map: list[torch.Tensor] = []
+        self.hot_entry_row: list[torch.Tensor] = []
+        self.hot_stamp: list[torch.Tensor] = []
         if g.offload and n_csa:
-            self.host = HostPool(n_csa, g.num_host_blocks, g.e4, g.d, dtype, pin=dev.pin_host_memory and self.device.type == "cuda")
+            pin = dev.pin_host_memory and self.device.type == "cuda"
+            self.host = HostPool(n_csa, g.num_host_blocks + 1, g.e4, g.d, dtype, pin=pin)  # + the scratch block
+            self.host.kv[:, g.num_host_blocks * g.e4 :] = 0
+            self.host_scratch_row = g.num_host_blocks * g.e4
             self.host_alloc = BlockAllocator(g.num_host_blocks)
-            self.entry_map = torch.full((n_csa, g.num_pages * g.e4), -1, dtype=torch.int32, device=self.device)
-            self.hot_entry_row = torch.full((n_csa, g.num_groups, g.hot_slots), -1, dtype=torch.long, device=self.device)
-            self.hot_stamp = torch.full((n_csa, g.num_groups, g.lru), -1, dtype=torch.long, device=self.device)
-        # hits, misses, evictions per CSA layer, kept on the device: reading them is the only sync
+            for _ in range(n_csa):
+                self.entry_map.append(torch.full((g.arena_pages * g.e4,), -1, dtype=torch.int32, device=self.device))
+                self.hot_entry_row.append(torch.full((g.num_groups + 1, g.hot_slots), -1, dtype=torch.long, device=self.device))
+                self.hot_stamp.append(torch.full((g.num_groups + 1, g.lru), -1, dtype=torch.long, device=self.device))
+        # Kept on the device, so a step (captured or not) never syncs; reading them is the one sync:
+        # hits, misses, evictions per CSA layer; C4 entries written to the host pool per CSA layer;
+        # the LRU clock (steps run), which stamps hot-buffer use.
         self.counters = torch.zeros(max(n_csa, 1), 3, dtype=torch.long, device=self.device)
-        self.bytes_d2h = 0
+        self.host_writes = torch.zeros(max(n_csa, 1), dtype=torch.long, device=self.device)
+        self.step = torch.zeros((), dtype=torch.long, device=self.device)
         self.bytes_h2d_admit = 0
-        self.step_no = 0
         self.residents: dict[str, Resident] = {}
         self._alloc_lock = threading.Lock()  # reservations come from the actor's loop, frees from its step thread
+        self._views: dict[tuple[int, int], TieredBatch] = {}
         log.info("tier store: %s", g.describe())
 
     # arena views ---------------------------------------------------------------------------------
@@ -189,13 +212,13 @@ class TieredStore(KVStore):
         return self.arena.view(-1, width)
 
     def hot_view(self, j: int) -> torch.Tensor:
-        """[groups, hot_slots, dim] view of CSA layer j's hot buffers, indexed by state group."""
+        """[groups + 1, hot_slots, dim] view of CSA layer j's hot buffers, indexed by state group (scratch last)."""
         g = self.geo
         f = g.state_fields["hot"]
         group_elems = g.group_pages * g.page_elems
-        per_group = self.arena[: g.num_groups * group_elems].view(g.num_groups, group_elems)
+        per_group = self.arena[: (g.num_groups + 1) * group_elems].view(g.num_groups + 1, group_elems)
         start = f.offset + j * g.hot_slots * g.d
-        return per_group[:, start : start + g.hot_slots * g.d].view(g.num_groups, g.hot_slots, g.d)
+        return per_group[:, start : start + g.hot_slots * g.d].view(g.num_groups + 1, g.hot_slots, g.d)
 
     def group_base(self, group):
         return group * self.geo.group_pages * self.geo.page_elems
@@ -311,21 +334,19 @@ class TieredStore(KVStore):
         """Tier on: C4 entries go to the host pool; the newest `reserved` also to the ring of the hot buffer."""
         g = self.geo
         n = entries.shape[0]
-        e_cpu = torch.arange(n)
-        host_rows = r.host_blocks_t[e_cpu // g.e4] * g.e4 + e_cpu % g.e4
-        self.host.kv[j, host_rows] = entries.to("cpu", self.host.kv.dtype)
+        self.host.kv[j, self.host.rows(r.host_blocks_t, torch.arange(n))] = entries.to("cpu", self.host.kv.dtype)
         # fresh bookkeeping: no entry of this request is resident, the LRU part is empty
         map_rows_all = (r.blocks_t[:, None] * g.e4 + torch.arange(g.e4, device=self.device)).flatten()
-        self.entry_map[j, map_rows_all] = -1
-        self.hot_entry_row[j, r.group] = -1
-        self.hot_stamp[j, r.group] = -1
+        self.entry_map[j][map_rows_all] = -1
+        self.hot_entry_row[j][r.group] = -1
+        self.hot_stamp[j][r.group] = -1
         if g.reserved and n:
             newest = torch.arange(max(0, n - g.reserved), n, device=self.device)
             slots = g.lru + newest % g.reserved
-            rows = r.blocks_t[newest // g.e4] * g.e4 + newest % g.e4
+            rows = block_rows(r.blocks_t, newest, g.e4)
             self.hot_view(j)[r.group, slots] = entries[newest.cpu()].to(self.device, self.arena.dtype)
-            self.entry_map[j, rows] = slots.to(torch.int32)
-            self.hot_entry_row[j, r.group, slots] = rows
+            self.entry_map[j][rows] = slots.to(torch.int32)
+            self.hot_entry_row[j][r.group, slots] = rows
             self.bytes_h2d_admit += newest.numel() * g.d * g.elem
 
     def free(self, request_id: str) -> None:
@@ -335,8 +356,23 @@ class TieredStore(KVStore):
             if self.host_alloc is not None:
                 self.host_alloc.free(request_id, r.host_blocks)
 
+    def context_blocks(self, residents: list[Resident]) -> int:
+        """The context bucket of a step over these residents (`cachetier.buckets`)."""
+        return context_blocks(max((r.num_tokens for r in residents), default=0) + 1, self.geo.block_tokens)
+
     def batch(self, request_ids: list[str]) -> TieredBatch:
-        return TieredBatch(self, [self.residents[r] for r in request_ids])
+        return self.step_view(request_ids, len(request_ids))
+
+    def step_view(
+        self, request_ids: list[str], num_rows: int, num_blocks: int | None = None, tokens: list[int] | None = None
+    ) -> TieredBatch:
+        res = [self.residents[r] for r in request_ids]
+        key = (num_rows, num_blocks or self.context_blocks(res))
+        if key not in self._views:  # its buffers stay, so a graph captured on them replays with each step's contents
+            self._views[key] = TieredBatch(self, *key)
+        view = self._views[key]
+        view.load(res, tokens)
+        return view
 
     # accounting ----------------------------------------------------------------------------------
 
@@ -351,10 +387,10 @@ class TieredStore(KVStore):
         return (self.host_alloc.num_blocks - self.host_alloc.num_free) * self.geo.host_block_bytes
 
     def counter_totals(self) -> dict:
-        c = self.counters.sum(dim=0).tolist()  # the one host sync, when someone asks
+        c = torch.cat((self.counters.sum(dim=0), self.host_writes.sum()[None])).tolist()  # the one host sync, when asked
         g = self.geo
         return {"hits": c[HITS], "misses": c[MISSES], "evictions": c[EVICTIONS],
-                "bytes_h2d": c[MISSES] * g.d * g.elem + self.bytes_h2d_admit, "bytes_d2h": self.bytes_d2h}
+                "bytes_h2d": c[MISSES] * g.d * g.elem + self.bytes_h2d_admit, "bytes_d2h": c[3] * g.d * g.elem}
 
     def stats(self) -> dict:
         g = self.geo
@@ -401,11 +437,11 @@ class TieredStore(KVStore):
                 fail(f"{r.request_id}: a host block it holds is owned by someone else")
             n = r.num_tokens // self.cfg.csa_rate
             e = torch.arange(n, device=self.device)
-            rows = r.blocks_t[e // g.e4] * g.e4 + e % g.e4 if n else e
-            host_rows = (r.host_blocks_t[e.cpu() // g.e4] * g.e4 + e.cpu() % g.e4) if n else e.cpu()
+            rows = block_rows(r.blocks_t, e, g.e4)
+            host_rows = self.host.rows(r.host_blocks_t, e.cpu())
             for j in range(len(g.csa_layers)):
-                slots = self.entry_map[j, rows].long() if n else e
-                entry_row = self.hot_entry_row[j, r.group]
+                slots = self.entry_map[j][rows].long() if n else e
+                entry_row = self.hot_entry_row[j][r.group]
                 held = torch.nonzero(entry_row >= 0).flatten()
                 # every occupied slot names an entry of this request that maps back to it
                 pos = {int(x): i for i, x in enumerate(rows.tolist())}
@@ -431,162 +467,3 @@ class TieredStore(KVStore):
     def close(self) -> None:
         if self.host is not None:
             self.host.close()
-
-
-def _table(rows: list[list[int]], width: int, device) -> torch.Tensor:
-    """[len(rows), width] int64 from ragged rows padded with 0, built from one flat list (nested lists convert slowly)."""
-    flat = [x for r in rows for x in (r + [0] * (width - len(r)) if len(r) < width else r)]
-    return torch.from_numpy(np.array(flat, dtype=np.int64)).view(len(rows), width).to(device)
-
-
-class TieredBatch(DecodeKV):
-    """One decode step's view of the tiered store for a batch of residents."""
-
-    def __init__(self, store: TieredStore, residents: list[Resident]) -> None:
-        self.s, self.res = store, residents
-        g, dev = store.geo, store.device
-        self.g = g
-        self.positions = torch.tensor([r.num_tokens for r in residents], dtype=torch.long, device=dev)
-        self.groups = torch.tensor([r.group for r in residents], dtype=torch.long, device=dev)
-        self.gbase = store.group_base(self.groups)
-        nb = max(len(r.blocks) for r in residents)
-        # one host-to-device copy per table, padded with block 0 (never read past a request's own blocks)
-        self.blocks = _table([r.blocks for r in residents], nb, dev)
-        if store.host_alloc is not None:  # on the device: resolve reads it there without a host sync
-            self.host_blocks = _table([r.host_blocks for r in residents], nb, dev)
-        self.arange_b = torch.arange(len(residents), device=dev)
-
-    # state ---------------------------------------------------------------------------------------
-
-    def write_window(self, layer, key) -> Segment:
-        g = self.g
-        f = g.state_fields["swa"]
-        base = f.row(self.gbase, layer * g.window)  # [batch]
-        rows = self.s.rows(g.d)
-        rows[base + self.positions % g.window] = key.to(rows.dtype)
-        ring = base[:, None] + torch.arange(g.window, device=key.device)
-        return Segment(rows, torch.where(self.live_window(g.window), ring, -1))
-
-    def _state(self, layer, name, part):
-        return self.g.state_fields[f"{layer}.{name}.{part}"]
-
-    def write_tail(self, layer, name, kv, score) -> None:
-        for part, t in (("kv", kv), ("score", score)):
-            f = self._state(layer, name, part)
-            self.s.rows(f.width)[f.row(self.gbase, self.positions % f.shape[0])] = t.to(self.s.arena.dtype)
-
-    def _read(self, layer, name, part, rows):
-        f = self._state(layer, name, part)
-        idx = f.row(self.gbase[rows], 0)[:, None] + torch.arange(f.shape[0], device=rows.device)
-        return self.s.rows(f.width)[idx]
-
-    def tail_windows(self, layer, name, rows):
-        return self._read(layer, name, "kv", rows), self._read(layer, name, "score", rows)
-
-    def overlap(self, layer, name, rows):
-        return self._read(layer, name, "prev_kv", rows), self._read(layer, name, "prev_score", rows)
-
-    def set_overlap(self, layer, name, rows, kv, score) -> None:
-        for part, t in (("prev_kv", kv), ("prev_score", score)):
-            f = self._state(layer, name, part)
-            idx = f.row(self.gbase[rows], 0)[:, None] + torch.arange(f.shape[0], device=rows.device)
-            self.s.rows(f.width)[idx] = t.to(self.s.arena.dtype)
-
-    # classical entries ---------------------------------------------------------------------------
-
-    def _entry_rows(self, kind: str, j: int, batch_rows: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-        """Arena rows of entries e ([n] or [n, k], >= 0) of the given batch rows, for a block field."""
-        g = self.g
-        f = g.block_fields[kind]
-        per = g.eh if kind == "hca" else g.e4
-        bt = self.blocks[batch_rows]
-        if e.dim() == 1:
-            page = bt.gather(1, (e // per)[:, None]).squeeze(1)
-        else:
-            page = bt.gather(1, e // per)
-        return f.row(self.s.page_base(page), j * per + e % per)
-
-    def append_entries(self, layer, kind, rows, entries) -> None:
-        g, s = self.g, self.s
-        rate = self.s.cfg.hca_rate if kind == HCA_ENTRIES else self.s.cfg.csa_rate
-        e = (self.positions[rows] + 1) // rate - 1
-        if kind == INDEX_KEYS:
-            s.rows(g.di)[self._entry_rows("index_keys", g.csa_index[layer], rows, e)] = entries.to(s.arena.dtype)
-        elif kind == HCA_ENTRIES:
-            s.rows(g.d)[self._entry_rows("hca", g.hca_index[layer], rows, e)] = entries.to(s.arena.dtype)
-        elif not g.offload:
-            s.rows(g.d)[self._entry_rows("c4", g.csa_index[layer], rows, e)] = entries.to(s.arena.dtype)
-        else:
-            self._append_c4_tiered(g.csa_index[layer], rows, e, entries)
-
-    def _map_rows(self, rows, e):
-        g = self.g
-        bt = self.blocks[rows]
-        page = bt.gather(1, (e // g.e4).view(len(rows), -1)).view(e.shape)
-        return page * g.e4 + e % g.e4
-
-    def _append_c4_tiered(self, j, rows, e, entries) -> None:
-        """New C4 entry: authoritative copy to the host pool, and into the ring of the hot buffer."""
-        g, s = self.g, self.s
-        hb = self.host_blocks[rows]
-        host_rows = (hb.gather(1, (e // g.e4)[:, None]).squeeze(1) * g.e4 + e % g.e4).cpu()
-        s.host.kv[j, host_rows] = entries.to("cpu", s.host.kv.dtype)
-        s.bytes_d2h += entries.numel() * entries.element_size()
-        if not g.reserved:
-            return
-        groups = self.groups[rows]
-        slot = g.lru + e % g.reserved
-        new_rows = self._map_rows(rows, e)
-        old = e - g.reserved
-        has_old = old >= 0
-        if bool(has_old.any()):
-            old_rows = self._map_rows(rows[has_old], old[has_old])
-            s.entry_map[j, old_rows] = -1
-        s.hot_view(j)[groups, slot] = entries.to(s.arena.dtype)
-        s.entry_map[j, new_rows] = slot.to(torch.int32)
-        s.hot_entry_row[j, groups, slot] = new_rows
-
-    def _count(self, rate: int) -> torch.Tensor:
-        return (self.positions + 1) // rate  # entries after this step's emission
-
-    def _all_rows(self, kind: str, j: int, rate: int) -> torch.Tensor:
-        counts = self._count(rate)
-        width = int(counts.max())
-        e = torch.arange(width, device=counts.device).expand(len(self.res), width)
-        valid = e < counts[:, None]
-        rows = self._entry_rows(kind, j, self.arange_b, torch.where(valid, e, 0))
-        return torch.where(valid, rows, -1)
-
-    def hca_segment(self, layer) -> Segment:
-        rows = self._all_rows("hca", self.g.hca_index[layer], self.s.cfg.hca_rate)
-        return Segment(self.s.rows(self.g.d), rows)
-
-    def index_keys(self, layer):
-        rows = self._all_rows("index_keys", self.g.csa_index[layer], self.s.cfg.csa_rate)
-        keys = self.s.rows(self.g.di)[rows.clamp(min=0)]
-        keys = keys.masked_fill((rows < 0)[..., None], 0.0)
-        return keys, self._count(self.s.cfg.csa_rate)
-
-    def c4_segment(self, layer, ids) -> Segment:
-        g, s = self.g, self.s
-        j = g.csa_index[layer]
-        valid = ids >= 0
-        safe = torch.where(valid, ids, 0)
-        if not g.offload:
-            rows = self._entry_rows("c4", j, self.arange_b, safe)
-            return Segment(s.rows(g.d), torch.where(valid, rows, -1))
-        map_rows = self._map_rows(self.arange_b, safe)
-        host_rows = self.host_blocks.gather(1, safe // g.e4) * g.e4 + safe % g.e4
-        slots = resolve(
-            ids, map_rows, host_rows, self.groups, s.entry_map[j], s.hot_view(j), s.hot_entry_row[j],
-            s.hot_stamp[j], s.host.kv[j], s.step_no, s.counters[j],
-        )
-        f = g.state_fields["hot"]
-        rows = f.row(self.gbase, j * g.hot_slots)[:, None] + slots
-        return Segment(s.rows(g.d), torch.where(slots >= 0, rows, -1))
-
-    def finish_step(self) -> None:
-        for r in self.res:
-            r.num_tokens += 1
-        self.positions = self.positions + 1
-        self.s.step_no += 1

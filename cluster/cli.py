@@ -12,6 +12,7 @@ import logging
 import sys
 
 from cluster import bench_cmd, plan_cmd, train_cmd
+from core.roles import COMPILE_BACKENDS, DECODE_MODES
 
 
 def _int_list(s: str) -> list[int]:
@@ -66,6 +67,15 @@ def _add_tier(p: argparse.ArgumentParser) -> None:
                    help="host bytes for the C4 pool (default 8 x the device budget)")
     t.add_argument("--block-tokens", type=int, default=None, help="tokens per classical KV block")
     t.add_argument("--max-running", type=int, default=64, help="most requests decoding at once per decode worker")
+    t.add_argument("--decode-mode", choices=DECODE_MODES, default="auto",
+                   help="auto (default): compiled on CUDA, eager on CPU; compiled: fixed-shape steps per batch bucket, "
+                        "CUDA graphs on GPU, torch.compile on CPU (a minute or more the first time, cached on disk); "
+                        "eager: op by op")
+    t.add_argument("--compile-backend", choices=COMPILE_BACKENDS, default="inductor",
+                   help="with --decode-mode compiled on CPU: inductor (fused C++) or eager (capture only)")
+    t.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="with --decode-mode compiled on CUDA: run the fixed-shape step without capturing graphs")
+    t.add_argument("--compile-cache-dir", default=None, help="torch.compile's on-disk cache (kept across restarts)")
 
 
 def _add_prefix_cache(p: argparse.ArgumentParser) -> None:
@@ -106,6 +116,13 @@ def tier_config(args: argparse.Namespace):
     )
 
 
+def step_config(args: argparse.Namespace):
+    from core.roles import StepConfig
+
+    return StepConfig(decode_mode=args.decode_mode, compile_backend=args.compile_backend,
+                      cuda_graphs=args.cuda_graphs, compile_cache_dir=args.compile_cache_dir)
+
+
 def serve_config(args: argparse.Namespace):
     import os
 
@@ -123,6 +140,7 @@ def serve_config(args: argparse.Namespace):
         model=args.model,
         weights=args.weights,
         tier=tier_config(args),
+        step=step_config(args),
         prefill=PrefillConfig(max_batch_tokens=args.max_batch_tokens, entry_tile=args.entry_tile,
                               prefix_cache=prefix_cache_config(args)),
         stub=stub,
@@ -282,7 +300,7 @@ def _generate(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             seed=args.seed, ignore_eos=args.ignore_eos,
         )
-        tier = tier_config(args)
+        tier, step = tier_config(args), step_config(args)
     except ValueError as e:
         print(f"hisparse generate: {e}", file=sys.stderr)
         return 2
@@ -303,7 +321,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     eos_ids = end_of_sequence_ids(model_dir, model.cfg, tok.eos_token_ids if tok is not None else ())
     try:
-        engine = InProcessEngine(model, tier, eos_ids=eos_ids)
+        engine = InProcessEngine(model, tier, eos_ids=eos_ids, step=step)
         done = engine.generate([GenerateRequest("generate-0", tuple(prompt_ids), params)])["generate-0"]
     except Exception as e:  # configuration and admission errors carry their remedy in the message
         from core.types import HisparseError
@@ -322,7 +340,8 @@ def _generate(args: argparse.Namespace) -> int:
         tier_out.update(offload=tier.offload, hot_buffer_slots=engine.store.geo.lru if tier.offload else None,
                         device_budget_bytes=tier.device_budget_bytes)
         print(json.dumps({"prompt_token_ids": list(prompt_ids), "token_ids": ids, "text": text,
-                          "finish_reason": done.finish_reason, "tier": tier_out, **tier_out}))
+                          "finish_reason": done.finish_reason, "tier": tier_out, **tier_out,
+                          "decode_step": stats.get("step")}))
     else:
         print(text if text is not None else " ".join(map(str, ids)))
     return 0

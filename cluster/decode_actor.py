@@ -27,7 +27,7 @@ from cachetier.layout import layout_format, unpack_layout
 from cachetier.store import IntegrityError
 from cluster.protocol import Handoff, Outbox, Report, RequestGone, StepMessage
 from cluster.steploop import StepThread, on_thread
-from core.roles import POLL_INTERVAL_S, DeadlineConfig, FaultConfig, StubConfig, TierConfig
+from core.roles import POLL_INTERVAL_S, DeadlineConfig, FaultConfig, StepConfig, StubConfig, TierConfig
 from core.types import HisparseError
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 class DecodeActor:
     def __init__(self, model_spec: str, tier: TierConfig, name: str, num_threads: int = 1,
                  eos_ids: tuple[int, ...] | None = None, deadlines: DeadlineConfig | None = None,
-                 faults: FaultConfig | None = None, stub: StubConfig | None = None, weights: str = "packed") -> None:
+                 faults: FaultConfig | None = None, stub: StubConfig | None = None, weights: str = "packed",
+                 step: StepConfig | None = None) -> None:
         from cachetier.store import TieredStore
         from cluster.prefill_actor import load_model_for_actor
         from decode.worker import DecodeWorker
@@ -47,7 +48,7 @@ class DecodeActor:
         self.store = TieredStore(model.cfg, tier, dtype=model.dtype, device=model.device)
         # a stand-in step writes no KV, so the idle check of what is stored would not hold
         self.worker = DecodeWorker(model, self.store, max_running=tier.max_running, eos_ids=eos_ids, faults=faults,
-                                   check_when_idle=stub is None)
+                                   check_when_idle=stub is None, step_config=step)
         self.format = layout_format(model.cfg, model.dtype)
         self.outboxes: dict[str, Outbox] = {}
         self.waiters: dict[str, asyncio.Event] = {}

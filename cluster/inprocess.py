@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from cachetier.store import KVStore, TieredStore
-from core.roles import PrefillConfig, TierConfig
+from core.roles import PrefillConfig, StepConfig, TierConfig
 from core.types import GenerateRequest, PromptLogprob, RequestFailed, TokenEvent
 from decode.worker import DecodeRequest, DecodeWorker
 from model.model import V4Model
@@ -45,6 +45,7 @@ class InProcessEngine:
         prefill: PrefillConfig | None = None,
         store: KVStore | None = None,
         eos_ids: tuple[int, ...] | None = None,
+        step: StepConfig | None = None,
     ) -> None:
         """`eos_ids`: the model's end-of-sequence ids (`model.config.end_of_sequence_ids`); default: its config's."""
         tier = tier or TierConfig()
@@ -52,7 +53,8 @@ class InProcessEngine:
         self.eos_ids = model.cfg.eos_token_ids if eos_ids is None else eos_ids
         self.prefill = PrefillWorker(model, prefill, eos_ids=self.eos_ids)
         self.store = store if store is not None else TieredStore(model.cfg, tier, dtype=model.dtype, device=model.device)
-        self.decode = DecodeWorker(model, self.store, max_running=tier.max_running, eos_ids=self.eos_ids)
+        self.decode = DecodeWorker(model, self.store, max_running=tier.max_running, eos_ids=self.eos_ids,
+                                   step_config=step)
 
     def generate(self, requests: Iterable[GenerateRequest], seeds: dict[str, int] | None = None,
                  on_event: Callable[[TokenEvent], None] | None = None) -> dict[str, Completion]:

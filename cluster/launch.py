@@ -101,7 +101,7 @@ def create_actors(model: str, cfg: ServeConfig, eos_ids: tuple[int, ...], prefix
     for name in dnames:
         threads = max(1, int(cluster.decode_num_cpus))
         out.decode.append(dcls.options(**_options(ROLE_DECODE, cluster, name)).remote(
-            model, cfg.tier, name, threads, eos_ids, cfg.deadlines, cfg.faults, cfg.stub, cfg.weights))
+            model, cfg.tier, name, threads, eos_ids, cfg.deadlines, cfg.faults, cfg.stub, cfg.weights, cfg.step))
     _wait_ready(out, cluster, timeout_s)
     if cluster.transport in COLLECTIVE_TRANSPORTS:
         from ray.experimental.collective import create_collective_group

@@ -85,6 +85,45 @@ class PrefixCacheConfig:
         return bool(self.disk_bytes and self.directory)
 
 
+DECODE_MODES = ("auto", "eager", "compiled")
+COMPILE_BACKENDS = ("inductor", "eager")
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """How a decode worker runs its step (`decode.runner`)."""
+
+    decode_mode: str = "auto"
+    """`auto`: `compiled` on CUDA, `eager` on CPU (where compiling the step costs a minute or more at the
+    first start). `eager`: run the step op by op with exactly as many rows as requests. `compiled`: pad the
+    batch and the gather lengths to buckets and run one fixed-shape step per bucket — compiled with
+    `torch.compile(fullgraph=True)` on CPU, captured in a CUDA graph on CUDA. Plain-layout stores
+    always run eagerly."""
+    cuda_graphs: bool = True
+    """With `compiled` on CUDA: capture and replay CUDA graphs; off runs the same fixed-shape step
+    eagerly (to tell a capture problem from a step problem)."""
+    warmup: bool = True
+    """With `compiled`: compile (CPU) or capture (CUDA) when the worker starts, on scratch rows, so the
+    first requests do not wait for it."""
+    capture_context_tokens: int = 4096
+    """With `compiled` on CUDA: context lengths whose buckets are captured at start-up (every batch
+    bucket up to max_running); a longer context is captured when a step first needs it."""
+    compile_backend: str = "inductor"
+    """With `compiled` on CPU: `inductor` generates fused C++ for the step (fast steps; a minute or more
+    to compile the first time, seconds from the on-disk cache); `eager` only captures the whole step
+    as one graph and runs its ops as they are (no speed-up; compiles in seconds; checks that the step
+    is capture-safe)."""
+    compile_cache_dir: str | None = None
+    """Directory of torch.compile's on-disk cache (Inductor's TORCHINDUCTOR_CACHE_DIR), so a restart reuses
+    compiled kernels; default: TORCHINDUCTOR_CACHE_DIR if set, else Inductor's own default."""
+
+    def __post_init__(self) -> None:
+        if self.decode_mode not in DECODE_MODES:
+            raise ValueError(f"decode_mode {self.decode_mode!r} is not one of {DECODE_MODES}")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ValueError(f"compile_backend {self.compile_backend!r} is not one of {COMPILE_BACKENDS}")
+
+
 @dataclass(frozen=True)
 class PrefillConfig:
     """How a prefill worker batches prompts."""
@@ -248,6 +287,8 @@ class ServeConfig:
     """`packed`: FP8 linears and FP4 experts of a quantized checkpoint stay packed and are computed on;
     `dequantize`: expanded at load (the reference path). Unquantized checkpoints load the same either way."""
     tier: TierConfig = field(default_factory=TierConfig)
+    step: StepConfig = field(default_factory=StepConfig)
+    """How decode workers run their step: eager, or bucketed and compiled / captured."""
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     server: ServerConfig = field(default_factory=ServerConfig)

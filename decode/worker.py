@@ -32,8 +32,9 @@ from dataclasses import dataclass
 
 from cachetier.layout import KVLayout
 from cachetier.store import KVStore
-from core.roles import FaultConfig
+from core.roles import FaultConfig, StepConfig
 from core.types import SampledToken, SamplingParams, TokenEvent, finish_reason
+from decode.runner import StepRunner
 from model.model import V4Model
 from model.sampling import sample
 
@@ -95,10 +96,14 @@ class InjectedFault(RuntimeError):
 
 class DecodeWorker:
     def __init__(self, model: V4Model, store: KVStore, max_running: int = 64, eos_ids: tuple[int, ...] | None = None,
-                 check_when_idle: bool = True, faults: FaultConfig | None = None) -> None:
+                 check_when_idle: bool = True, faults: FaultConfig | None = None,
+                 step_config: StepConfig | None = None) -> None:
         self.model = model
         self.store = store
         self.max_running = max_running
+        self.runner = StepRunner(model, store, max_running, step_config) if model is not None else None
+        if self.runner is not None:
+            self.runner.warmup()
         self.eos_ids = model.cfg.eos_token_ids if eos_ids is None else eos_ids
         self.faults = faults or FaultConfig()
         self.waiting: deque[DecodeRequest] = deque()
@@ -248,7 +253,7 @@ class DecodeWorker:
         runs = [self.running[i] for i in ids]
         try:
             self._inject_faults(runs)
-            logits = self.model.decode_step(self.store.batch(ids), [r.last_token for r in runs])
+            logits = self.runner.run(ids, [r.last_token for r in runs])
             toks = sample(logits, [r.req.sampling for r in runs], [r.req.seed for r in runs], [r.num_generated for r in runs])
         except Exception as e:
             # The step may have written part of these requests' state: drop them all, each to be prefilled again.
@@ -290,5 +295,7 @@ class DecodeWorker:
         out = {"running": len(self.running), "waiting": len(self.waiting) + len(self.arrivals), "reserved": len(self.reserved),
                "steps": self.steps, "tokens_out": self.tokens_out, "failed_steps": self.failed_steps,
                "integrity_checks": self.integrity_checks}
+        if self.runner is not None:
+            out["step"] = self.runner.stats()
         out.update(self.store.stats())
         return out

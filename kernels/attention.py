@@ -12,7 +12,7 @@ def sparse_attention(
     q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Attention of q [batch, heads, dim] over `pool[rows]` of each (pool, rows) segment, with a sink."""
-    if device.current().use_triton and q.is_cuda:
+    if q.is_cuda and device.current().use_triton:
         from kernels.attention_triton import sparse_attention_triton
 
         return sparse_attention_triton(q, segments, sinks, scale)

@@ -12,18 +12,19 @@ def resolve(
     ids: torch.Tensor,
     map_rows: torch.Tensor,
     host_rows: torch.Tensor,
-    state_slots: torch.Tensor,
+    books: torch.Tensor,
+    hot_rows: torch.Tensor,
     entry_map: torch.Tensor,
-    hot_kv: torch.Tensor,
+    kv_pool: torch.Tensor,
     hot_entry_row: torch.Tensor,
     hot_stamp: torch.Tensor,
     host_pool: torch.Tensor,
-    step: int,
+    step: torch.Tensor,
     counters: torch.Tensor,
 ) -> torch.Tensor:
     """Resolve selected entries to hot-buffer slots (see `kernels.resolve_ref` for the policy); returns slots [batch, k]."""
-    args = (ids, map_rows, host_rows, state_slots, entry_map, hot_kv, hot_entry_row, hot_stamp, host_pool, step, counters)
-    if device.current().use_triton and hot_kv.is_cuda and entry_map.is_cuda:
+    args = (ids, map_rows, host_rows, books, hot_rows, entry_map, kv_pool, hot_entry_row, hot_stamp, host_pool, step, counters)
+    if kv_pool.is_cuda and entry_map.is_cuda and device.current().use_triton:
         # Imported here so that the CPU path never needs triton installed.
         from kernels.resolve_triton import resolve_triton
 

@@ -1,9 +1,10 @@
 """Triton hot-buffer resolve: the whole batch of one layer in one launch, with no host synchronisation.
 
 Same contract as `kernels.resolve_ref.resolve_ref` (read its docstring for the policy); one program
-per batch row, so a decode step can be captured in a CUDA graph. `step` is a plain kernel argument,
-so a captured graph replays the step it was captured with; replaying one graph across steps would
-need `step` in a device tensor (a signature change to make together with the reference).
+per batch row, so a decode step can be captured in a CUDA graph. `step` is read from a device
+tensor, so a captured graph replays with whatever step the store has counted up to. Lanes with
+nothing to write are masked off, so the kernel never touches the scratch locations the reference
+writes to.
 
 Where the bytes come from: on CUDA `host_pool` stays a *pinned* CPU tensor and the kernel reads it
 through its pointer. With unified virtual addressing a pinned host allocation has the same address
@@ -19,9 +20,8 @@ The program for batch row b:
 3. points the entry map at the new slots and reads every id's slot back from it.
 Counters are added atomically, so concurrent programs (and steps) accumulate without a sync.
 
-One thing the reference cannot do without a host sync: it raises when the hot buffer has fewer
-free LRU slots than distinct misses. Here such a miss is counted but gets no slot (-1, as do its
-duplicates) and nothing is evicted for it. With `lru >= k` it cannot happen.
+A miss that finds no free LRU slot is counted but gets no slot (-1, as do its duplicates) and
+evicts nothing, as in the reference; with `lru >= k` it cannot happen.
 """
 
 from __future__ import annotations
@@ -33,18 +33,16 @@ import triton.language as tl
 INT64_MAX = tl.constexpr(0x7FFFFFFFFFFFFFFF)  # stands for 'not a candidate' in the victim key
 
 
-@triton.jit(do_not_specialize=["step"])
+@triton.jit
 def _resolve_kernel(
     ids_ptr,
     map_rows_ptr,
     host_rows_ptr,
-    state_slots_ptr,
+    books_ptr,
+    hot_rows_ptr,
     entry_map_ptr,
     map_stride,
     hot_kv_ptr,
-    kv_stride_s,
-    kv_stride_slot,
-    kv_stride_d,
     entry_row_ptr,
     row_stride_s,
     row_stride_slot,
@@ -56,7 +54,7 @@ def _resolve_kernel(
     host_stride_d,
     slots_ptr,
     counters_ptr,
-    step,
+    step_ptr,
     k,
     lru,
     dim,
@@ -65,7 +63,7 @@ def _resolve_kernel(
     BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    step = step.to(tl.int64)
+    step = tl.load(step_ptr).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     in_k = offs_k < k
     ids = tl.load(ids_ptr + b * k + offs_k, mask=in_k, other=-1)  # [BLOCK_K]
@@ -75,10 +73,10 @@ def _resolve_kernel(
     hit = valid & (slot >= 0)
     miss = valid & (slot < 0)
 
-    sslot = tl.load(state_slots_ptr + b)
-    stamp_base = stamp_ptr + sslot * stamp_stride_s
-    row_base = entry_row_ptr + sslot * row_stride_s
-    kv_base = hot_kv_ptr + sslot * kv_stride_s
+    book = tl.load(books_ptr + b)
+    stamp_base = stamp_ptr + book * stamp_stride_s
+    row_base = entry_row_ptr + book * row_stride_s
+    kv_base = hot_kv_ptr + tl.load(hot_rows_ptr + b) * dim  # slot s at kv_base + s * dim
 
     # Phase 1. Hits in the reserved ring are left alone: the store, not the LRU, owns those slots.
     lru_hit = hit & (slot < lru)
@@ -127,7 +125,7 @@ def _resolve_kernel(
                 in_d = d0 + offs_d < dim
                 vals = tl.load(host_pool_ptr + host_j * host_stride_row + (d0 + offs_d) * host_stride_d, mask=in_d)  # [BLOCK_D]
                 tl.store(
-                    kv_base + v * kv_stride_slot + (d0 + offs_d) * kv_stride_d,
+                    kv_base + v * dim + d0 + offs_d,
                     vals.to(hot_kv_ptr.dtype.element_ty),
                     mask=in_d,
                 )
@@ -149,23 +147,25 @@ def resolve_triton(
     ids: torch.Tensor,
     map_rows: torch.Tensor,
     host_rows: torch.Tensor,
-    state_slots: torch.Tensor,
+    books: torch.Tensor,
+    hot_rows: torch.Tensor,
     entry_map: torch.Tensor,
-    hot_kv: torch.Tensor,
+    kv_pool: torch.Tensor,
     hot_entry_row: torch.Tensor,
     hot_stamp: torch.Tensor,
     host_pool: torch.Tensor,
-    step: int,
+    step: torch.Tensor,
     counters: torch.Tensor,
 ) -> torch.Tensor:
     """Triton twin of `resolve_ref`: same arguments, same in-place updates, returns slots [batch, k] int64."""
     batch, k = ids.shape
     lru = hot_stamp.shape[1]
-    dim = hot_kv.shape[2]
-    if hot_kv.is_cuda and not host_pool.is_cuda and not host_pool.is_pinned():
+    dim = host_pool.shape[1]
+    # (checked when not capturing: a CUDA graph capture allows no pointer queries)
+    if kv_pool.is_cuda and not host_pool.is_cuda and not torch.cuda.is_current_stream_capturing() and not host_pool.is_pinned():
         raise ValueError("host_pool must be pinned (or on the device) for the kernel to read it through UVA")
-    if counters.stride(0) != 1:
-        raise ValueError("counters must be contiguous")
+    if counters.stride(0) != 1 or kv_pool.dim() != 1 or kv_pool.stride(0) != 1:
+        raise ValueError("counters and kv_pool must be contiguous, kv_pool one-dimensional")
     slots = torch.empty((batch, k), dtype=torch.int64, device=ids.device)  # [batch, k]
     if batch == 0 or k == 0:
         return slots
@@ -173,17 +173,18 @@ def resolve_triton(
     ids = ids.contiguous()
     map_rows = map_rows.contiguous()
     host_rows = host_rows.contiguous()
-    state_slots = state_slots.contiguous()
+    books = books.contiguous()
+    hot_rows = hot_rows.contiguous()
     block_d = min(triton.next_power_of_2(dim), 256)
     _resolve_kernel[(batch,)](
         ids,
         map_rows,
         host_rows,
-        state_slots,
+        books,
+        hot_rows,
         entry_map,
         entry_map.stride(0),
-        hot_kv,
-        *hot_kv.stride(),
+        kv_pool,
         hot_entry_row,
         *hot_entry_row.stride(),
         hot_stamp,

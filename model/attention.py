@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from cachetier.batch import INDEX, MAIN, DecodeKV
+from cachetier.batch import INDEX, MAIN, DecodeKV, emitting
 from cachetier.layout import C4, HCA_ENTRIES, INDEX_KEYS, CompressorState
 from core.config import CSA, HCA
 from kernels.attention import sparse_attention
@@ -54,26 +54,28 @@ def compress_segment(
 def _compress_step(
     comp: Compressor, store: DecodeKV, layer: int, name: str, kind: str, x: torch.Tensor, rot: Rotary
 ) -> None:
-    """Append this step's token to a compressor's tail; emit an entry for every request whose window completed."""
+    """Append this step's token to a compressor's tail; every request whose window completed emits an entry.
+
+    Static shapes: every row pools its tail and the `emit` mask says whose entry counts (the others
+    land in scratch), so the step never asks the host which rows emit.
+    """
     pos = store.positions
     kv, score = comp.project(x, pos)
     store.write_tail(layer, name, kv, score)
-    rows = torch.nonzero((pos + 1) % comp.rate == 0).flatten()
-    if rows.numel() == 0:
-        return
-    win_kv, win_score = store.tail_windows(layer, name, rows)
+    emit = emitting(pos, comp.rate)  # [batch]
+    win_kv, win_score = store.tail_windows(layer, name)  # [batch, rate, width]
     prev_kv = prev_score = None
     if comp.overlapped:
-        prev_kv, prev_score = store.overlap(layer, name, rows)
-    entries = rot.apply(comp.pool(win_kv, win_score, prev_kv, prev_score), pos[rows] + 1 - comp.rate)
-    store.append_entries(layer, kind, rows, entries)
+        prev_kv, prev_score = store.overlap(layer, name)
+    entries = rot.apply(comp.pool(win_kv, win_score, prev_kv, prev_score), pos + 1 - comp.rate)  # [batch, dim]
+    store.append_entries(layer, kind, emit, entries)
     if comp.overlapped:
         d = comp.dim
-        store.set_overlap(layer, name, rows, win_kv[..., :d], win_score[..., :d])
+        store.set_overlap(layer, name, emit, win_kv[..., :d], win_score[..., :d])
 
 
 def decode_layer(attn: Attention, store: DecodeKV, layer: int, x: torch.Tensor, rot: Rotary) -> torch.Tensor:
-    """One layer for one new token per request (x [batch, hidden]), through the store."""
+    """One layer for one new token per request (x [batch, hidden]), through the store; static shapes."""
     pos = store.positions
 
     def rotate(t):
@@ -83,18 +85,15 @@ def decode_layer(attn: Attention, store: DecodeKV, layer: int, x: torch.Tensor, 
     segments = [store.write_window(layer, key)]
     if attn.kind == HCA:
         _compress_step(attn.compressor, store, layer, MAIN, HCA_ENTRIES, x, rot)
-        seg = store.hca_segment(layer)
-        if seg.rows.shape[1]:
-            segments.append(seg)
+        segments.append(store.hca_segment(layer))
     elif attn.kind == CSA:
         idx = attn.indexer
         _compress_step(attn.compressor, store, layer, MAIN, C4, x, rot)
         _compress_step(idx.compressor, store, layer, INDEX, INDEX_KEYS, x, rot)
-        keys, counts = store.index_keys(layer)
-        if keys.shape[1]:
-            qi, w = idx.queries(latent, x, rotate)
-            visible = torch.arange(keys.shape[1], device=x.device)[None, :] < counts[:, None]
-            ids = select_topk(idx.scores(qi, w, keys), visible, idx.topk)  # [batch, k]
-            segments.append(store.c4_segment(layer, ids))
+        keys, counts = store.index_keys(layer)  # [batch, len, index_dim], [batch]
+        qi, w = idx.queries(latent, x, rotate)
+        visible = torch.arange(keys.shape[1], device=x.device)[None, :] < counts[:, None]
+        ids = select_topk(idx.scores(qi, w, keys), visible, idx.topk)  # [batch, k]
+        segments.append(store.c4_segment(layer, ids))
     o = sparse_attention(q, [(s.pool, s.rows) for s in segments], attn.attn_sink, attn.scale)
     return attn.output(o, lambda t: rot.apply(t, pos, inverse=True))

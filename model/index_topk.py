@@ -12,7 +12,8 @@ memory is queries x tile whatever the context. Tiles go newest first (recent ent
 the k-th best rises early). On the CPU only the scores that can still enter — at least the running
 k-th best — become keys and get ranked; finding them costs one max per group of entries, so the
 cost is the scoring, not the ranking. On CUDA every tile is merged with one `topk` over
-[running | tile], which needs no host synchronisation. All give the untiled result exactly, provided
+[running | tile], which needs no host synchronisation, and so does a compiled (traced) step, which
+must have no data-dependent shapes. All give the untiled result exactly, provided
 an entry's score does not depend on the tile it is scored in (see `model.layers.Indexer.scores`).
 """
 
@@ -63,7 +64,7 @@ def topk_keys(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.T
     n = scores.shape[-1]
     k = min(topk, n)
     masked = scores.masked_fill(~visible, float("-inf")).reshape(-1, n)  # [rows, n]
-    if n <= SMALL or masked.is_cuda:
+    if torch.compiler.is_compiling() or masked.is_cuda or n <= SMALL:  # traced: no data-dependent shape, no guard on n
         keys = selection_keys(masked, torch.arange(n, device=scores.device)).topk(k, dim=-1).values
     else:
         empty = torch.full((masked.shape[0], k), EMPTY_KEY, dtype=torch.int64, device=scores.device)

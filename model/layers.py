@@ -106,13 +106,29 @@ class Experts(nn.Module):
         self.limit = cfg.swiglu_limit
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e in torch.unique(idx).tolist():
-            tok, slot = torch.where(idx == e)
-            gate, up = F.linear(x[tok], self.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(_swiglu(gate, up, self.limit), self.down[e]) * weights[tok, slot, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
+        """x [tokens, hidden], idx/weights [tokens, top_k] (expert ids, routing weights) -> [tokens, hidden].
+
+        Static shapes, no loop over the experts present (which would read them back to the host):
+        with fewer (token, expert) pairs than experts, each pair gathers its expert's weights and the
+        pairs run as one batched matmul; otherwise every expert runs on every token (two batched
+        matmuls) and the routing weights, zero for unchosen experts, combine them. Which one runs
+        depends only on shapes, so a compiled or captured step keeps one path per batch bucket.
+        """
+        tokens, top_k = idx.shape
+        num_experts = self.gate_up.shape[0]
+        if tokens * top_k < num_experts:
+            pair_x = x.repeat_interleave(top_k, dim=0)  # [pairs, hidden]
+            experts = idx.flatten()  # [pairs]
+            h = torch.bmm(self.gate_up[experts], pair_x[:, :, None]).squeeze(-1)  # [pairs, 2 * inter]
+            gate, up = h.chunk(2, dim=-1)
+            y = torch.bmm(self.down[experts], _swiglu(gate, up, self.limit)[:, :, None]).squeeze(-1)  # [pairs, hidden]
+            y = y * weights.flatten()[:, None].to(y.dtype)
+            return y.view(tokens, top_k, -1).sum(dim=1).to(x.dtype)
+        h = torch.einsum("th,eoh->teo", x, self.gate_up)  # [tokens, experts, 2 * inter]
+        gate, up = h.chunk(2, dim=-1)
+        y = torch.einsum("tei,ehi->teh", _swiglu(gate, up, self.limit), self.down)  # [tokens, experts, hidden]
+        dense = torch.zeros(tokens, num_experts, dtype=y.dtype, device=y.device).scatter_add_(1, idx, weights.to(y.dtype))
+        return torch.einsum("teh,te->th", y, dense).to(x.dtype)
 
 
 class Router(nn.Module):

@@ -2,6 +2,7 @@
 
 - `prefill`: tokens (and optionally an existing layout, to resume at any position) -> logits + layout.
 - `decode_step`: one token per request of a batch, through a `DecodeKV` -> logits; storage advances.
+  Its device part, `decode_forward`, has fixed shapes and no host sync, so it compiles and captures.
 
 Token-wise parts (embedding, hyper-connections, norms, MoE, head) run on all tokens of a batch at
 once; attention is per request in prefill and batched through the store in decode.
@@ -56,6 +57,16 @@ class V4Model(nn.Module):
         self.hc_head_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
         self.rope = rotaries(cfg)
         self._rot = [self.rope[rope_kind(cfg, i)] for i in range(cfg.num_layers)]
+
+    def _apply(self, fn, recurse=True):
+        """Moving the model (`.to`, `.cuda`) moves the rotary tables too (plain tensors, not buffers, and
+        kept fp32), so no step copies them across devices. Tables built on the meta device (the packed
+        loader's first pass) have no data to move; the loader computes them afresh on the target."""
+        super()._apply(fn, recurse)
+        for rot in self.rope.values():
+            if not rot.inv_freq.is_meta:
+                rot.inv_freq = rot.inv_freq.to(self.embed.weight.device)
+        return self
 
     @property
     def dtype(self) -> torch.dtype:
@@ -152,16 +163,28 @@ class V4Model(nn.Module):
         logits, layouts = self.prefill_batch([(tokens, layout)], last_only=last_only, dense=dense, entry_tile=entry_tile)
         return logits[0], layouts[0]
 
-    @torch.inference_mode()
-    def decode_step(self, store: DecodeKV, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """One token per request (at `store.positions`) -> logits [batch, vocab]; the store advances."""
-        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).flatten()
+    def decode_forward(self, store: DecodeKV, token_ids: torch.Tensor) -> torch.Tensor:
+        """One token per row of `store` (token_ids [rows] on the device) -> logits [rows, vocab].
+
+        Device work only, with fixed shapes and no host sync: this is the function a decode worker
+        compiles or captures. The store's device state advances; its host bookkeeping does not
+        (the caller runs `store.advance()` once the step is done).
+        """
+        store.begin_step()
 
         def attend(i: int, x: torch.Tensor) -> torch.Tensor:
             return decode_layer(self.layers[i].attn, store, i, x, self._rot[i])
 
-        logits = self._run(ids, attend)
-        store.finish_step()
+        logits = self._run(token_ids, attend)
+        store.end_step()
+        return logits
+
+    @torch.inference_mode()
+    def decode_step(self, store: DecodeKV, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """One token per request (at `store.positions`) -> logits [batch, vocab]; the store advances. Eager."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).flatten()
+        logits = self.decode_forward(store, ids)
+        store.advance()
         return logits
 
     def decode_layouts(self, layouts: list[KVLayout], token_ids: Sequence[int]) -> torch.Tensor:

@@ -4,6 +4,10 @@ Three stores run the same decode schedule: the tier on (C4 entries in the host p
 buffer), the tier off (everything in the device arena) and plain layouts (the model's own decode).
 Ten requests of mixed lengths, greedy and seeded sampling, several joining mid-run and several
 leaving early, eight or more decoding at once, over 1000 tokens for most of them.
+
+The tier on and off also run the schedule the way `decode_mode=compiled` does: padded to batch and
+context buckets, the whole step captured by `torch.compile(fullgraph=True)` (with the `eager`
+backend here: the capture is what is under test; `test_compiled_step` runs Inductor's code).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import pytest
 import torch
 
 from cachetier.store import LayoutStore, TieredStore
-from core.roles import TierConfig
+from core.roles import StepConfig, TierConfig
 from core.types import SamplingParams
 from decode.worker import DecodeRequest, DecodeWorker
 from model.sampling import sample
@@ -22,7 +26,10 @@ MAX_TOKENS = [1050, 1020, 1000, 1010, 1040, 1000, 1030, 1000, 300, 250]
 JOIN_AT = [0, 0, 0, 0, 0, 0, 40, 90, 160, 420]  # steps at which each request is handed to decode
 
 
-def _schedule(model, store):
+CAPTURED = StepConfig(decode_mode="compiled", compile_backend="eager", warmup=False)
+
+
+def _schedule(model, store, step_config=None):
     g = torch.Generator().manual_seed(123)
     reqs = []
     for i, (n, mt) in enumerate(zip(PROMPTS, MAX_TOKENS)):
@@ -31,7 +38,7 @@ def _schedule(model, store):
         logits, layout = model.prefill(ids, last_only=True)
         first = sample(logits, [sp], [1000 + i], [0])[0]
         reqs.append(DecodeRequest(f"r{i}", layout, first, sp, seed=1000 + i))
-    worker = DecodeWorker(model, store, max_running=16)
+    worker = DecodeWorker(model, store, max_running=16, step_config=step_config)
     out = {r.request_id: [r.first_token.token_id] for r in reqs}
     step, max_batch = 0, 0
     while step == 0 or worker.has_work() or any(j >= step for j in JOIN_AT):
@@ -52,13 +59,20 @@ def _schedule(model, store):
 def streams(tiny_model):
     cfg = tiny_model.cfg
     budget = 64 * 2**20
-    on = TieredStore(cfg, TierConfig(offload=True, hot_buffer_slots=cfg.index_topk, reserved_slots=4, device_budget_bytes=budget,
-                                     host_pool_bytes=64 * 2**20))
-    off = TieredStore(cfg, TierConfig(offload=False, device_budget_bytes=budget))
+
+    def on():
+        return TieredStore(cfg, TierConfig(offload=True, hot_buffer_slots=cfg.index_topk, reserved_slots=4,
+                                           device_budget_bytes=budget, host_pool_bytes=64 * 2**20))
+
+    def off():
+        return TieredStore(cfg, TierConfig(offload=False, device_budget_bytes=budget))
+
     return {
-        "on": _schedule(tiny_model, on),
-        "off": _schedule(tiny_model, off),
+        "on": _schedule(tiny_model, on()),
+        "off": _schedule(tiny_model, off()),
         "plain": _schedule(tiny_model, LayoutStore(cfg)),
+        "on_captured": _schedule(tiny_model, on(), CAPTURED),
+        "off_captured": _schedule(tiny_model, off(), CAPTURED),
     }
 
 
@@ -70,8 +84,26 @@ def test_streams_identical_across_tiers(streams):
     assert streams["on"][1] >= 8  # at least eight requests decoded side by side
 
 
-def test_misses_on_every_csa_layer(streams):
-    worker = streams["on"][2]
+@pytest.mark.parametrize("name", ["on_captured", "off_captured"])
+def test_captured_step_gives_the_same_streams(streams, name):
+    assert streams[name][2].runner.mode == "compiled"
+    assert streams[name][0] == streams["on"][0]
+
+
+@pytest.mark.parametrize("name", ["on_captured", "off_captured"])
+def test_captured_step_compiles_once_per_bucket(streams, name):
+    """Across 1000+ steps and many buckets the step is captured whole (fullgraph) and never again for a bucket it has seen."""
+    runner = streams[name][2].runner
+    steps = runner.steps_by_bucket
+    assert len(steps) >= 5 and len({rows for rows, _ in steps}) >= 4 and len({blocks for _, blocks in steps}) >= 3
+    assert len(runner.compile_log) == len(set(runner.compile_log)) == runner.compiles
+    assert 1 <= runner.compiles <= 4  # symbolic rows and blocks: only sizes of 1 add a capture
+    assert sum(steps.values()) == streams[name][2].steps
+
+
+@pytest.mark.parametrize("name", ["on", "on_captured"])
+def test_misses_on_every_csa_layer(streams, name):
+    worker = streams[name][2]
     counters = worker.store.counters  # [csa layers, (hits, misses, evictions)]
     assert counters.shape[0] == len(worker.model.cfg.csa_layers) >= 2
     assert bool((counters[:, 1] > 0).all()), counters
@@ -81,7 +113,7 @@ def test_misses_on_every_csa_layer(streams):
 
 
 def test_everything_returned_after_the_run(streams):
-    for name in ("on", "off"):
+    for name in ("on", "off", "on_captured", "off_captured"):
         st = streams[name][2].stats()
         assert st["running"] == 0 and st["device_bytes_used"] == 0 and st["host_bytes_used"] == 0
         assert st["pages_free"] == st["pages_total"]

@@ -52,6 +52,18 @@ def test_tier_options_same_tokens_and_counters():
     assert a["token_ids"] == b["token_ids"]
     assert a["misses"] > 0 and a["hits"] > 0 and a["bytes_h2d"] > 0
     assert b["misses"] == 0 and b["bytes_h2d"] == 0
+    assert a["decode_step"]["mode"] == "eager"  # the default on a CPU
+
+
+def test_compiled_decode_mode_gives_the_same_tokens():
+    common = ("--prompt-ids", "5,6,7,8,9,10,11,12,13", "--max-tokens", "40", "--json", "--ignore-eos",
+              "--offload", "on", "--hot-buffer-slots", "16")
+    eager = _run(*common)
+    compiled = _run(*common, "--decode-mode", "compiled", "--compile-backend", "eager")
+    assert eager.returncode == 0 and compiled.returncode == 0, eager.stderr + compiled.stderr
+    a, b = json.loads(eager.stdout), json.loads(compiled.stdout)
+    assert b["decode_step"]["mode"] == "compiled" and b["decode_step"]["compiles"] >= 1
+    assert a["token_ids"] == b["token_ids"]
 
 
 def test_tier_option_errors_name_the_fix():

@@ -1,0 +1,232 @@
+"""One decode step's view of the tiered store: per-step metadata in persistent buffers, static-shape storage ops.
+
+A view is made for a bucket (`num_rows` rows, a block table `num_blocks` wide; `cachetier.buckets`)
+and keeps its buffers for good, so a step compiled or captured on it replays with whatever the
+host loaded this time. Before each step `load` writes, on the host:
+- per step, one small buffer: every row's position, state group and input token (one transfer);
+- per batch composition, the block tables: device pages and host blocks (one transfer when the
+  set of requests or the bucket changes).
+Rows past the real requests are padding: position 0, the scratch state group, scratch pages, so
+everything they (and masked-off lanes of real rows) write lands in scratch that nobody reads.
+
+Everything the step itself does is device work with fixed shapes: no host sync, no branch on data.
+Writes into the arena and the bookkeeping tensors go through one `index_put_` on the tensor itself,
+so a compiled step updates them in place. The view reads the store through what it exposes (arena,
+geometry, host pool and its row function, hot-buffer bookkeeping, device counters).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from cachetier.batch import DecodeKV, Segment, entry_counts
+from cachetier.buckets import gather_len
+from cachetier.geometry import block_rows
+from cachetier.layout import HCA_ENTRIES, INDEX_KEYS
+from kernels.host_write import write_rows
+from kernels.resolve import resolve
+
+if TYPE_CHECKING:
+    from cachetier.store import Resident, TieredStore
+
+
+class TieredBatch(DecodeKV):
+    """A bucket-shaped view of the tiered store for one decode step."""
+
+    def __init__(self, store: TieredStore, num_rows: int, num_blocks: int) -> None:
+        self.s = store
+        self.g = g = store.geo
+        self.window = g.window
+        self.bucket = (num_rows, num_blocks)
+        dev = store.device
+        staged = dev.type == "cuda"  # a separate pinned host copy only where host and device differ
+        self._meta_host = torch.zeros(3, num_rows, dtype=torch.long, pin_memory=staged)  # positions, groups, tokens
+        self._tables_host = torch.zeros(2, num_rows, num_blocks, dtype=torch.long, pin_memory=staged)  # pages, host blocks
+        self._meta = torch.zeros(3, num_rows, dtype=torch.long, device=dev) if staged else self._meta_host
+        self._tables = torch.zeros(2, num_rows, num_blocks, dtype=torch.long, device=dev) if staged else self._tables_host
+        self.positions, self.groups, self.token_ids = self._meta.unbind(0)  # [rows] each
+        self.blocks, self.host_blocks = self._tables.unbind(0)  # [rows, num_blocks] each
+        self.residents: list[Resident] = []
+        self._tables_for: tuple | None = None
+        self._group_elems = g.group_pages * g.page_elems
+        self._scratch_gbase = g.scratch_group * self._group_elems
+
+    def bucket_tensors(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """The buffers whose sizes are the bucket, with those dims: every other tensor of a step is sized from them."""
+        return [(self._meta, (1,)), (self._tables, (1, 2))]
+
+    # host side ------------------------------------------------------------------------------------
+
+    def load(self, residents: list[Resident], tokens: list[int] | None = None) -> None:
+        """Fill the buffers for these requests (and their input tokens); the rest of the rows are padding."""
+        rows, width = self.bucket
+        n = len(residents)
+        if n > rows:
+            raise ValueError(f"{n} requests do not fit a view of {rows} rows")
+        g, pad = self.g, rows - n
+        tokens = list(tokens) if tokens is not None else [0] * n
+        meta = [[r.num_tokens for r in residents] + [0] * pad, [r.group for r in residents] + [g.scratch_group] * pad,
+                tokens + [0] * pad]
+        self._meta_host.copy_(torch.tensor(meta, dtype=torch.long))
+        # The same resident objects (the previous ones are still referenced here, so no id is reused)
+        key = tuple(id(r) for r in residents)
+        self.residents = list(residents)
+        if key != self._tables_for:
+            host_scratch = g.num_host_blocks  # the host pool's last block is scratch
+            pages = [(r.blocks + [g.scratch_page] * width)[:width] for r in residents] + [[g.scratch_page] * width] * pad
+            hosts = [(r.host_blocks + [host_scratch] * width)[:width] for r in residents] + [[host_scratch] * width] * pad
+            self._tables_host.copy_(torch.tensor([pages, hosts], dtype=torch.long))
+            if self._tables is not self._tables_host:
+                self._tables.copy_(self._tables_host, non_blocking=True)
+            self._tables_for = key
+        if self._meta is not self._meta_host:
+            self._meta.copy_(self._meta_host, non_blocking=True)
+
+    def advance(self) -> None:
+        for r in self.residents:
+            r.num_tokens += 1
+
+    # arena access ----------------------------------------------------------------------------------
+
+    def _put(self, width: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Arena rows of `width` elements <- values [..., width]; one scatter into the arena itself."""
+        arena = self.s.arena
+        idx = rows[..., None] * width + torch.arange(width, device=rows.device)
+        arena.index_put_((idx,), values.to(arena.dtype))
+
+    def _take(self, width: int, rows: torch.Tensor) -> torch.Tensor:
+        return self.s.arena.view(-1, width)[rows]
+
+    def begin_step(self) -> None:
+        super().begin_step()
+        self.gbase = self.groups * self._group_elems  # [rows] element offset of each row's state group
+
+    def gather_len(self, rate: int) -> int:
+        return gather_len(self.blocks.shape[1], self.g.block_tokens, rate)
+
+    # state ---------------------------------------------------------------------------------------
+
+    def write_window(self, layer, key) -> Segment:
+        g = self.g
+        f = g.state_fields["swa"]
+        base = f.row(self.gbase, layer * g.window)  # [rows]
+        self._put(g.d, base + self.positions % g.window, key)
+        ring = base[:, None] + torch.arange(g.window, device=key.device)  # [rows, window]
+        return Segment(self.s.arena.view(-1, g.d), torch.where(self.live, ring, -1))
+
+    def _state_rows(self, layer, name, part, gbase) -> torch.Tensor:
+        f = self.g.state_fields[f"{layer}.{name}.{part}"]
+        return f.row(gbase, 0)[:, None] + torch.arange(f.shape[0], device=gbase.device)  # [rows, field rows]
+
+    def write_tail(self, layer, name, kv, score) -> None:
+        for part, t in (("kv", kv), ("score", score)):
+            f = self.g.state_fields[f"{layer}.{name}.{part}"]
+            self._put(f.width, f.row(self.gbase, self.positions % f.shape[0]), t)
+
+    def tail_windows(self, layer, name):
+        g = self.g
+        return tuple(self._take(g.state_fields[f"{layer}.{name}.{p}"].width, self._state_rows(layer, name, p, self.gbase))
+                     for p in ("kv", "score"))
+
+    def overlap(self, layer, name):
+        g = self.g
+        return tuple(self._take(g.state_fields[f"{layer}.{name}.{p}"].width, self._state_rows(layer, name, p, self.gbase))
+                     for p in ("prev_kv", "prev_score"))
+
+    def set_overlap(self, layer, name, emit, kv, score) -> None:
+        gbase = torch.where(emit, self.gbase, self._scratch_gbase)
+        for part, t in (("prev_kv", kv), ("prev_score", score)):
+            self._put(self.g.state_fields[f"{layer}.{name}.{part}"].width, self._state_rows(layer, name, part, gbase), t)
+
+    # classical entries ---------------------------------------------------------------------------
+
+    def _pages(self, e: torch.Tensor, per: int) -> torch.Tensor:
+        """Device page of entries e ([rows] or [rows, n]) with `per` entries of their kind per block."""
+        idx = e // per
+        return self.blocks.gather(1, idx[:, None]).squeeze(1) if e.dim() == 1 else self.blocks.gather(1, idx)
+
+    def _entry_rows(self, kind: str, j: int, e: torch.Tensor, emit: torch.Tensor | None = None) -> torch.Tensor:
+        """Arena rows of entries e (>= 0) of each batch row, for a block field; rows not in `emit` go to scratch."""
+        g = self.g
+        f = g.block_fields[kind]
+        per = g.eh if kind == "hca" else g.e4
+        page = self._pages(e, per)
+        if emit is not None:
+            page = torch.where(emit, page, g.scratch_page)
+        return f.row(page * g.page_elems, j * per + e % per)
+
+    def _map_rows(self, e: torch.Tensor) -> torch.Tensor:
+        """Elements of a CSA layer's entry map for C4 entries e ([rows] or [rows, n], >= 0) of each batch row."""
+        if e.dim() == 1:
+            return block_rows(self.blocks, e[:, None], self.g.e4).squeeze(1)
+        return block_rows(self.blocks, e, self.g.e4)
+
+    def append_entries(self, layer, kind, emit, entries) -> None:
+        g, cfg = self.g, self.s.cfg
+        rate = cfg.hca_rate if kind == HCA_ENTRIES else cfg.csa_rate
+        e = (entry_counts(self.positions, rate) - 1).clamp(min=0)  # [rows]
+        if kind == INDEX_KEYS:
+            self._put(g.di, self._entry_rows("index_keys", g.csa_index[layer], e, emit), entries)
+        elif kind == HCA_ENTRIES:
+            self._put(g.d, self._entry_rows("hca", g.hca_index[layer], e, emit), entries)
+        elif not g.offload:
+            self._put(g.d, self._entry_rows("c4", g.csa_index[layer], e, emit), entries)
+        else:
+            self._append_c4_tiered(g.csa_index[layer], emit, e, entries)
+
+    def _append_c4_tiered(self, j: int, emit: torch.Tensor, e: torch.Tensor, entries: torch.Tensor) -> None:
+        """New C4 entry: authoritative copy to the host pool, and into the ring of the hot buffer."""
+        g, s = self.g, self.s
+        host_rows = torch.where(emit, s.host.rows(self.host_blocks, e[:, None]).squeeze(1), s.host_scratch_row)
+        write_rows(s.host.kv, j, host_rows, entries.to(s.host.kv.dtype))
+        s.host_writes[j : j + 1].add_(emit.sum())
+        if not g.reserved:
+            return
+        entry_map = s.entry_map[j]
+        dump = entry_map.shape[0] - 1  # a scratch-page element
+        old = e - g.reserved  # the entry leaving the ring
+        leaving = emit & (old >= 0)
+        entry_map.index_put_((torch.where(leaving, self._map_rows(old.clamp(min=0)), dump),),
+                             torch.full_like(e, -1, dtype=entry_map.dtype))
+        slot = g.lru + e % g.reserved  # [rows]
+        hot = g.state_fields["hot"]
+        self._put(g.d, hot.row(torch.where(emit, self.gbase, self._scratch_gbase), j * g.hot_slots) + slot, entries)
+        new_rows = self._map_rows(e)
+        entry_map.index_put_((torch.where(emit, new_rows, dump),), slot.to(entry_map.dtype))
+        s.hot_entry_row[j].index_put_((torch.where(emit, self.groups, g.scratch_group), slot), new_rows)
+
+    def _all_rows(self, kind: str, j: int, rate: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Arena rows of every entry slot up to the gather length [rows, len], -1 past each row's count; the counts."""
+        counts = entry_counts(self.positions, rate)  # [rows]
+        e = torch.arange(self.gather_len(rate), device=counts.device).expand(counts.shape[0], -1)  # [rows, len]
+        rows = self._entry_rows(kind, j, e)
+        return torch.where(e < counts[:, None], rows, -1), counts
+
+    def hca_segment(self, layer) -> Segment:
+        rows, _ = self._all_rows("hca", self.g.hca_index[layer], self.s.cfg.hca_rate)
+        return Segment(self.s.arena.view(-1, self.g.d), rows)
+
+    def index_keys(self, layer):
+        rows, counts = self._all_rows("index_keys", self.g.csa_index[layer], self.s.cfg.csa_rate)
+        keys = self._take(self.g.di, rows.clamp(min=0)).masked_fill((rows < 0)[..., None], 0.0)
+        return keys, counts
+
+    def c4_segment(self, layer, ids) -> Segment:
+        g, s = self.g, self.s
+        j = g.csa_index[layer]
+        valid = ids >= 0
+        safe = torch.where(valid, ids, 0)  # [rows, k]
+        pool = s.arena.view(-1, g.d)
+        if not g.offload:
+            return Segment(pool, torch.where(valid, self._entry_rows("c4", j, safe), -1))
+        hot_rows = g.state_fields["hot"].row(self.gbase, j * g.hot_slots)  # [rows], slot 0 of each hot buffer
+        slots = resolve(
+            ids, self._map_rows(safe), s.host.rows(self.host_blocks, safe), self.groups, hot_rows, s.entry_map[j],
+            s.arena, s.hot_entry_row[j], s.hot_stamp[j], s.host.kv[j], s.step, s.counters[j],
+        )  # fmt: skip
+        return Segment(pool, torch.where(slots >= 0, hot_rows[:, None] + slots, -1))
+
+    def end_step(self) -> None:
+        self.s.step.add_(1)  # the LRU clock, on the device
