@@ -75,6 +75,7 @@ from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
 from core.config import CSA, HASH_MOE, SLIDING, WEIGHT_MODES, WEIGHTS_DEQUANTIZE, WEIGHTS_PACKED, ModelConfig
+from core.kv_format import fp4_key_bytes, fp8_main_row_bytes
 from core.roles import TierConfig
 
 # Cache kinds; the first five are spelled as in `cachetier.layout` (kept torch-free here on purpose).
@@ -114,9 +115,7 @@ def kv_entry_bytes(cfg: ModelConfig, kv_format: str) -> int:
     if kv_format == "bf16":
         return 2 * cfg.head_dim
     if kv_format == "fp8":
-        nope = cfg.head_dim - cfg.rope_head_dim
-        raw = nope + 2 * cfg.rope_head_dim + math.ceil(nope / 64)
-        return _round_up(raw, 8)
+        return fp8_main_row_bytes(cfg.head_dim, cfg.rope_head_dim)
     raise PlanError(f"unknown kv format {kv_format!r}; expected one of {KV_FORMATS}")
 
 
@@ -128,7 +127,7 @@ def index_key_bytes(cfg: ModelConfig, index_format: str) -> int:
     if index_format == "fp8":
         return d + 4
     if index_format == "fp4":
-        return math.ceil(d / 2) + math.ceil(d / 32)
+        return fp4_key_bytes(d)
     raise PlanError(f"unknown index format {index_format!r}; expected one of {INDEX_FORMATS}")
 
 
@@ -732,8 +731,4 @@ def plan(cfg: ModelConfig, inputs: PlanInputs) -> Plan:
         requests_with_tier_host_limited=host_limited,
         notes=tuple(notes),
     )
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 

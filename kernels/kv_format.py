@@ -1,0 +1,182 @@
+"""The KV storage formats as tensors: pack rows into their stored bytes, read them back, and the dense
+fake-quantization (pack then unpack) that the reference numerics apply.
+
+Formats and byte layouts are defined in `core.kv_format`. A `KVCodec` is built for one model geometry
+and compute dtype; with `bf16` it stores rows as they are (in the compute dtype) and every function is
+the identity up to a cast, with `v4` rows become `uint8` byte rows:
+- main rows (SWA keys, C4 and HCA entries): e4m3 nope channels with one power-of-two scale per 64
+  channels (the smallest that keeps the block within 448; an all-zero block gets 1), bf16 rope channels;
+- indexer keys: multiplied by the orthonormal Hadamard matrix, then MXFP4 (e2m1 with one power-of-two
+  scale per 32 channels, the smallest that keeps the block within 6). Indexer queries get the same
+  rotation and rounding (`index_query`), so scores are inner products in the rotated space (the
+  rotation alone would not change them).
+
+Everything here has static shapes and no host syncs, so it runs inside a compiled decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from core.config import ModelConfig
+from core.kv_format import (
+    BF16,
+    INDEX_SCALE_BLOCK,
+    MAIN_SCALE_BLOCK,
+    V4,
+    check_format,
+    fp4_key_bytes,
+    fp8_main_row_bytes,
+)
+from kernels.formats import dequant_fp4, e8m0_to_float, pow2_to_e8m0, quantize_act_fp8, quantize_fp4
+
+_HADAMARD: dict[tuple[int, str, torch.dtype], torch.Tensor] = {}
+
+
+def hadamard(n: int, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix of order n (a power of two), H / sqrt(n); symmetric."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two width, got {n}")
+    key = (n, str(device), dtype)
+    if key not in _HADAMARD:
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < n:
+            h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+        _HADAMARD[key] = (h / n**0.5).to(device=device, dtype=dtype)
+    return _HADAMARD[key]
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] @ H (fp32): the rotation applied to indexer keys and queries."""
+    return x.float() @ hadamard(x.shape[-1], x.device)
+
+
+# --- v4 main rows -----------------------------------------------------------------------------------
+
+
+def pack_fp8_rows(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """Rows [..., head_dim] (nope channels first, rope last) -> v4 main rows [..., row_bytes] uint8."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    nope = d - rope_dim
+    flat = x.reshape(-1, d)
+    q, scale = quantize_act_fp8(flat[:, :nope], group=MAIN_SCALE_BLOCK, pow2=True)  # [n, nope], [n, blocks]
+    rope = flat[:, nope:].to(torch.bfloat16).contiguous().view(torch.uint8)  # [n, 2 * rope]
+    parts = [q.view(torch.uint8), rope, pow2_to_e8m0(scale)]
+    pad = fp8_main_row_bytes(d, rope_dim) - sum(p.shape[-1] for p in parts)
+    if pad:
+        parts.append(flat.new_zeros(flat.shape[0], pad, dtype=torch.uint8))
+    return torch.cat(parts, dim=-1).view(*lead, -1)
+
+
+def unpack_fp8_rows(b: torch.Tensor, head_dim: int, rope_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """v4 main rows [..., row_bytes] uint8 -> [..., head_dim] in `dtype`."""
+    nope = head_dim - rope_dim
+    blocks = -(-nope // MAIN_SCALE_BLOCK)
+    vals = b[..., :nope].contiguous().view(torch.float8_e4m3fn).float()
+    rope = b[..., nope : nope + 2 * rope_dim].contiguous().view(torch.bfloat16)
+    scale = e8m0_to_float(b[..., nope + 2 * rope_dim : nope + 2 * rope_dim + blocks].contiguous())
+    vals = (vals.unflatten(-1, (-1, MAIN_SCALE_BLOCK)) * scale[..., None]).flatten(-2) if nope % MAIN_SCALE_BLOCK == 0 \
+        else vals * scale.repeat_interleave(MAIN_SCALE_BLOCK, dim=-1)[..., :nope]
+    return torch.cat((vals.to(dtype), rope.to(dtype)), dim=-1)
+
+
+# --- v4 indexer keys --------------------------------------------------------------------------------
+
+
+def pack_fp4_keys(x: torch.Tensor) -> torch.Tensor:
+    """Keys [..., dim] -> Hadamard-rotated MXFP4 rows [..., dim/2 + dim/32] uint8."""
+    q, scale = quantize_fp4(hadamard_rotate(x), block=INDEX_SCALE_BLOCK)
+    return torch.cat((q.view(torch.uint8), scale), dim=-1)
+
+
+def unpack_fp4_keys(b: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 rows [..., bytes] -> the keys in the rotated space [..., dim] (the rotation is not undone)."""
+    half = dim // 2
+    return dequant_fp4(b[..., :half], b[..., half:], block=INDEX_SCALE_BLOCK)[..., :dim].to(dtype)
+
+
+# --- one model's codec ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KVCodec:
+    """How one model's KV rows are stored in `format`, computed in `dtype`."""
+
+    format: str
+    head_dim: int
+    rope_dim: int
+    index_dim: int
+    dtype: torch.dtype
+
+    @staticmethod
+    def for_model(cfg: ModelConfig, fmt: str, dtype: torch.dtype) -> KVCodec:
+        return KVCodec(check_format(fmt), cfg.head_dim, cfg.rope_head_dim, cfg.index_head_dim, dtype)
+
+    @property
+    def packed(self) -> bool:
+        return self.format == V4
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """Dtype of stored rows: bytes when packed, the compute dtype otherwise."""
+        return torch.uint8 if self.packed else self.dtype
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def main_bytes(self) -> int:
+        """Bytes of one stored SWA / C4 / HCA row."""
+        return fp8_main_row_bytes(self.head_dim, self.rope_dim) if self.packed else self.head_dim * self.elem_bytes
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of one stored indexer key."""
+        return fp4_key_bytes(self.index_dim) if self.packed else self.index_dim * self.elem_bytes
+
+    @property
+    def main_width(self) -> int:
+        """Width of a stored main row in storage elements."""
+        return self.main_bytes if self.packed else self.head_dim
+
+    @property
+    def index_width(self) -> int:
+        return self.index_bytes if self.packed else self.index_dim
+
+    # stored rows <-> computed rows
+    def pack_main(self, x: torch.Tensor) -> torch.Tensor:
+        return pack_fp8_rows(x, self.rope_dim) if self.packed else x.to(self.dtype)
+
+    def unpack_main(self, b: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.dtype
+        return unpack_fp8_rows(b, self.head_dim, self.rope_dim, dtype) if self.packed else b.to(dtype)
+
+    def pack_index(self, x: torch.Tensor) -> torch.Tensor:
+        return pack_fp4_keys(x) if self.packed else x.to(self.dtype)
+
+    def unpack_index(self, b: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        dtype = dtype or self.dtype
+        return unpack_fp4_keys(b, self.index_dim, dtype) if self.packed else b.to(dtype)
+
+    # the dense reference: what a stored row reads back as
+    def fake_main(self, x: torch.Tensor) -> torch.Tensor:
+        """x rounded as storing it rounds it (the identity for `bf16`), in x's dtype."""
+        return self.unpack_main(self.pack_main(x), x.dtype) if self.packed else x
+
+    def fake_index(self, x: torch.Tensor) -> torch.Tensor:
+        """An indexer key as stored and read back: rotated and rounded for `v4`, as is for `bf16`."""
+        return self.unpack_index(self.pack_index(x), x.dtype) if self.packed else x
+
+    def index_query(self, q: torch.Tensor) -> torch.Tensor:
+        """Indexer queries [..., index_dim] in the keys' space: rotated and MXFP4-rounded for `v4`."""
+        if not self.packed:
+            return q
+        return self.fake_index(q)
+
+
+def plain_codec(cfg: ModelConfig, dtype: torch.dtype) -> KVCodec:
+    """The `bf16` codec: rows stored in the compute dtype."""
+    return KVCodec.for_model(cfg, BF16, dtype)
