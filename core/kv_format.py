@@ -21,7 +21,12 @@ import math
 
 BF16 = "bf16"
 V4 = "v4"
+V4_DENSE = "v4-dense"
 KV_FORMATS = (BF16, V4)
+"""Storage formats a runtime serves with (`--kv-format`)."""
+MODEL_KV_FORMATS = (BF16, V4, V4_DENSE)
+"""Values of `ModelConfig.kv_format`: the serving formats plus `v4-dense`, the reference numerics
+(every v4 rounding applied where rows are made, rows then kept unpacked in the compute dtype)."""
 
 MAIN_SCALE_BLOCK = 64
 """Nope channels sharing one UE8M0 scale in a v4 main row."""
@@ -32,9 +37,14 @@ ROW_ALIGN = 8
 
 
 def check_format(name: str) -> str:
-    if name not in KV_FORMATS:
-        raise ValueError(f"unknown kv format {name!r}; expected one of {KV_FORMATS}")
+    if name not in MODEL_KV_FORMATS:
+        raise ValueError(f"unknown kv format {name!r}; expected one of {MODEL_KV_FORMATS}")
     return name
+
+
+def is_packed(fmt: str) -> bool:
+    """Whether rows of `fmt` are stored as bytes (`v4`) rather than in the compute dtype."""
+    return check_format(fmt) == V4
 
 
 def fp8_main_row_bytes(head_dim: int, rope_dim: int) -> int:
@@ -51,9 +61,9 @@ def fp4_key_bytes(dim: int) -> int:
 
 def main_row_bytes(head_dim: int, rope_dim: int, fmt: str, elem_bytes: int) -> int:
     """Bytes of one SWA / C4 / HCA row in `fmt` (`elem_bytes`: the compute dtype's size, for `bf16`)."""
-    return fp8_main_row_bytes(head_dim, rope_dim) if check_format(fmt) == V4 else head_dim * elem_bytes
+    return fp8_main_row_bytes(head_dim, rope_dim) if is_packed(fmt) else head_dim * elem_bytes
 
 
 def index_key_bytes(index_dim: int, fmt: str, elem_bytes: int) -> int:
     """Bytes of one indexer key in `fmt`."""
-    return fp4_key_bytes(index_dim) if check_format(fmt) == V4 else index_dim * elem_bytes
+    return fp4_key_bytes(index_dim) if is_packed(fmt) else index_dim * elem_bytes

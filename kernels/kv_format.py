@@ -3,7 +3,8 @@ fake-quantization (pack then unpack) that the reference numerics apply.
 
 Formats and byte layouts are defined in `core.kv_format`. A `KVCodec` is built for one model geometry
 and compute dtype; with `bf16` it stores rows as they are (in the compute dtype) and every function is
-the identity up to a cast, with `v4` rows become `uint8` byte rows:
+the identity up to a cast; with `v4-dense` (the reference numerics) `pack_*` applies every rounding of
+`v4` but keeps the rows in the compute dtype; with `v4` rows become `uint8` byte rows:
 - main rows (SWA keys, C4 and HCA entries): e4m3 nope channels with one power-of-two scale per 64
   channels (the smallest that keeps the block within 448; an all-zero block gets 1), bf16 rope channels;
 - indexer keys: multiplied by the orthonormal Hadamard matrix, then MXFP4 (e2m1 with one power-of-two
@@ -25,10 +26,12 @@ from core.kv_format import (
     BF16,
     INDEX_SCALE_BLOCK,
     MAIN_SCALE_BLOCK,
-    V4,
+    V4_DENSE,
     check_format,
-    fp4_key_bytes,
     fp8_main_row_bytes,
+    index_key_bytes,
+    is_packed,
+    main_row_bytes,
 )
 from kernels.formats import dequant_fp4, e8m0_to_float, pow2_to_e8m0, quantize_act_fp8, quantize_fp4
 
@@ -116,7 +119,13 @@ class KVCodec:
 
     @property
     def packed(self) -> bool:
-        return self.format == V4
+        """Rows stored as bytes (`v4`)."""
+        return is_packed(self.format)
+
+    @property
+    def rounds(self) -> bool:
+        """Rows rounded as v4 stores them (`v4` and `v4-dense`)."""
+        return self.format != BF16
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -130,12 +139,12 @@ class KVCodec:
     @property
     def main_bytes(self) -> int:
         """Bytes of one stored SWA / C4 / HCA row."""
-        return fp8_main_row_bytes(self.head_dim, self.rope_dim) if self.packed else self.head_dim * self.elem_bytes
+        return main_row_bytes(self.head_dim, self.rope_dim, self.format, self.elem_bytes)
 
     @property
     def index_bytes(self) -> int:
         """Bytes of one stored indexer key."""
-        return fp4_key_bytes(self.index_dim) if self.packed else self.index_dim * self.elem_bytes
+        return index_key_bytes(self.index_dim, self.format, self.elem_bytes)
 
     @property
     def main_width(self) -> int:
@@ -146,37 +155,49 @@ class KVCodec:
     def index_width(self) -> int:
         return self.index_bytes if self.packed else self.index_dim
 
-    # stored rows <-> computed rows
+    # the rounding itself (v4 numerics), whatever the storage
+    def fake_main(self, x: torch.Tensor) -> torch.Tensor:
+        """x rounded as a v4 main row rounds it (the identity for `bf16`), in x's dtype."""
+        if not self.rounds:
+            return x
+        return unpack_fp8_rows(pack_fp8_rows(x, self.rope_dim), self.head_dim, self.rope_dim, x.dtype)
+
+    def fake_index(self, x: torch.Tensor) -> torch.Tensor:
+        """An indexer key (or query) as v4 stores it and reads it back: rotated and MXFP4-rounded, in the
+        rotated space (the identity for `bf16`)."""
+        if not self.rounds:
+            return x
+        return unpack_fp4_keys(pack_fp4_keys(x), self.index_dim, x.dtype)
+
+    def index_query(self, q: torch.Tensor) -> torch.Tensor:
+        """Indexer queries [..., index_dim] in the keys' space (the same rotation and rounding as keys)."""
+        return self.fake_index(q)
+
+    # stored rows <-> computed rows: quantize once where rows are made, dequantize where they are read
     def pack_main(self, x: torch.Tensor) -> torch.Tensor:
-        return pack_fp8_rows(x, self.rope_dim) if self.packed else x.to(self.dtype)
+        if self.packed:
+            return pack_fp8_rows(x, self.rope_dim)
+        return self.fake_main(x).to(self.dtype)
 
     def unpack_main(self, b: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.dtype
         return unpack_fp8_rows(b, self.head_dim, self.rope_dim, dtype) if self.packed else b.to(dtype)
 
     def pack_index(self, x: torch.Tensor) -> torch.Tensor:
-        return pack_fp4_keys(x) if self.packed else x.to(self.dtype)
+        if self.packed:
+            return pack_fp4_keys(x)
+        return self.fake_index(x).to(self.dtype)
 
     def unpack_index(self, b: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         dtype = dtype or self.dtype
         return unpack_fp4_keys(b, self.index_dim, dtype) if self.packed else b.to(dtype)
 
-    # the dense reference: what a stored row reads back as
-    def fake_main(self, x: torch.Tensor) -> torch.Tensor:
-        """x rounded as storing it rounds it (the identity for `bf16`), in x's dtype."""
-        return self.unpack_main(self.pack_main(x), x.dtype) if self.packed else x
 
-    def fake_index(self, x: torch.Tensor) -> torch.Tensor:
-        """An indexer key as stored and read back: rotated and rounded for `v4`, as is for `bf16`."""
-        return self.unpack_index(self.pack_index(x), x.dtype) if self.packed else x
-
-    def index_query(self, q: torch.Tensor) -> torch.Tensor:
-        """Indexer queries [..., index_dim] in the keys' space: rotated and MXFP4-rounded for `v4`."""
-        if not self.packed:
-            return q
-        return self.fake_index(q)
+def model_codec(cfg: ModelConfig, dtype: torch.dtype) -> KVCodec:
+    """The codec of `cfg.kv_format` for a model computing in `dtype`."""
+    return KVCodec.for_model(cfg, cfg.kv_format, dtype)
 
 
-def plain_codec(cfg: ModelConfig, dtype: torch.dtype) -> KVCodec:
-    """The `bf16` codec: rows stored in the compute dtype."""
-    return KVCodec.for_model(cfg, BF16, dtype)
+def dense_twin(codec: KVCodec) -> KVCodec:
+    """The reference numerics of a codec: the same roundings, rows kept unpacked."""
+    return KVCodec(V4_DENSE if codec.rounds else BF16, codec.head_dim, codec.rope_dim, codec.index_dim, codec.dtype)

@@ -12,6 +12,7 @@ on them) or are dequantized to the model dtype (`weights="dequantize"`, the refe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -275,8 +276,11 @@ def load_model(
     device=None,
     name: str | None = None,
     weights: str = WEIGHTS_PACKED,
+    kv_format: str | None = None,
 ) -> V4Model:
     """Build the model from `model_dir/config.json` and load its weights.
+
+    `kv_format` (`core.kv_format`): how KV rows are rounded and stored; None: `bf16`, what the config says.
 
     `weights`: `packed` (default) keeps the linears the checkpoint stores as FP8 and the routed experts it
     stores as FP4 in those formats, computing on them with `kernels.fp8_linear` / `kernels.fp4_moe`;
@@ -288,6 +292,8 @@ def load_model(
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist")
     cfg = load_config(model_dir, name=name)
+    if kv_format is not None:
+        cfg = dataclasses.replace(cfg, kv_format=kv_format)
     got, kinds = _to_canonical(read_tensors(model_dir), weights, cfg)
     model = build_empty(cfg, dtype, device, packed=kinds)
     _copy_state(model, got)
