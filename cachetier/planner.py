@@ -75,7 +75,7 @@ from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
 from core.config import CSA, HASH_MOE, SLIDING, WEIGHT_MODES, WEIGHTS_DEQUANTIZE, WEIGHTS_PACKED, ModelConfig
-from core.kv_format import fp4_key_bytes, fp8_main_row_bytes
+from core.kv_format import BF16, V4, fp4_key_bytes, fp8_main_row_bytes
 from core.roles import TierConfig
 
 # Cache kinds; the first five are spelled as in `cachetier.layout` (kept torch-free here on purpose).
@@ -101,6 +101,16 @@ STATE_FLOAT_BYTES = 4
 
 DEQUANTIZED_WEIGHT_BYTES = 2
 """Bytes per weight of an FP8 or FP4 matrix expanded at load (`weights=dequantize`): bf16."""
+
+
+def entry_formats(kv_format: str) -> tuple[str, str]:
+    """The planner's (kv entry format, index key format) for a runtime KV format (`core.kv_format`):
+    `v4` stores `fp8` rows and `fp4` keys; `bf16` stores both in bf16 (a bf16 compute dtype)."""
+    if kv_format == V4:
+        return "fp8", "fp4"
+    if kv_format == BF16:
+        return "bf16", "bf16"
+    raise PlanError(f"the planner has no entry formats for kv format {kv_format!r}")
 
 
 class PlanError(ValueError):

@@ -36,6 +36,10 @@ ROW_ALIGN = 8
 """A v4 main row is padded to a multiple of this many bytes."""
 
 
+AUTO = "auto"
+"""`--kv-format auto`: what the checkpoint was trained for (`model.config.trained_kv_format`)."""
+
+
 def check_format(name: str) -> str:
     if name not in MODEL_KV_FORMATS:
         raise ValueError(f"unknown kv format {name!r}; expected one of {MODEL_KV_FORMATS}")

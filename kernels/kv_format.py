@@ -67,10 +67,11 @@ def pack_fp8_rows(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
     q, scale = quantize_act_fp8(flat[:, :nope], group=MAIN_SCALE_BLOCK, pow2=True)  # [n, nope], [n, blocks]
     rope = flat[:, nope:].to(torch.bfloat16).contiguous().view(torch.uint8)  # [n, 2 * rope]
     parts = [q.view(torch.uint8), rope, pow2_to_e8m0(scale)]
-    pad = fp8_main_row_bytes(d, rope_dim) - sum(p.shape[-1] for p in parts)
+    width = fp8_main_row_bytes(d, rope_dim)
+    pad = width - sum(p.shape[-1] for p in parts)
     if pad:
         parts.append(flat.new_zeros(flat.shape[0], pad, dtype=torch.uint8))
-    return torch.cat(parts, dim=-1).view(*lead, -1)
+    return torch.cat(parts, dim=-1).view(*lead, width)
 
 
 def unpack_fp8_rows(b: torch.Tensor, head_dim: int, rope_dim: int, dtype: torch.dtype) -> torch.Tensor:

@@ -24,6 +24,7 @@ def test_packed_shapes_match_the_byte_rule():
     assert b.dtype == torch.uint8 and b.shape == (3, 5, 584)
     k = pack_fp4_keys(torch.randn(7, 128))
     assert k.dtype == torch.uint8 and k.shape == (7, 68)
+    assert pack_fp8_rows(torch.zeros(0, 512), 64).shape == (0, 584) and pack_fp4_keys(torch.zeros(0, 128)).shape == (0, 68)
     cfg = tiny_config()
     codec = KVCodec.for_model(cfg, "v4", torch.float32)
     assert codec.pack_main(torch.randn(2, cfg.head_dim)).shape[-1] == codec.main_bytes == fp8_main_row_bytes(
