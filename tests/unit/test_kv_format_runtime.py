@@ -99,3 +99,35 @@ def test_packed_layout_and_arena_hold_bytes(models):
     _, plain_layout = models["bf16"].prefill(_prompts(cfg)[0])
     with pytest.raises(ValueError, match="formats differ"):
         store.admit("x", plain_layout, 100)
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["tier_on", "tier_off"])
+def test_captured_step_with_packed_kv_equals_eager(models, offload):
+    """The fixed-shape step captured whole (`torch.compile(fullgraph=True)`, eager backend) with packed rows:
+    no graph break (no host sync, no data-dependent shape) and the eager step's logits."""
+    from core.roles import StepConfig
+    from decode.runner import StepRunner
+
+    model = models["v4"]
+    cfg = model.cfg
+    out = {}
+    for mode in ("eager", "compiled"):
+        store = TieredStore(cfg, TierConfig(offload=offload, hot_buffer_slots=cfg.index_topk, reserved_slots=2,
+                                            device_budget_bytes=16 * 2**20, host_pool_bytes=16 * 2**20))
+        step = StepConfig(decode_mode=mode, compile_backend="eager", warmup=False)
+        runner = StepRunner(model, store, max_running=4, cfg=step)
+        toks = []
+        for i, ids in enumerate(_prompts(cfg)[:2]):
+            logits, layout = model.prefill(ids, last_only=True)
+            store.admit(f"r{i}", layout, len(ids) + 13)
+            toks.append(int(logits[-1].argmax()))
+        steps = []
+        for _ in range(12):
+            logits = runner.run(["r0", "r1"], toks)
+            steps.append(logits)
+            toks = logits.argmax(-1).tolist()
+        store.check_integrity()
+        out[mode] = torch.stack(steps)
+        if mode == "compiled":
+            assert runner.mode == "compiled" and runner.compiles == 1
+    assert float((out["compiled"] - out["eager"]).abs().max()) <= TOL
