@@ -6,6 +6,7 @@ import torch
 
 from core import device
 from kernels.attention_ref import Unpack, sparse_attention_ref
+from kernels.kv_format import MainRowReader
 
 
 def dense_segments(segments: list[tuple[torch.Tensor, torch.Tensor]], unpack: Unpack) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -29,7 +30,9 @@ def sparse_attention(
     if q.is_cuda and device.current().use_triton:
         from kernels.attention_triton import sparse_attention_triton
 
-        if unpack is not None:  # the kernel does not dequantize on load yet: gather and dequantize first
+        if isinstance(unpack, MainRowReader):  # v4 main rows: the kernel dequantizes them as it loads them
+            return sparse_attention_triton(q, segments, sinks, scale, packed=unpack)
+        if unpack is not None:  # another row format: gather and dequantize first
             segments = dense_segments(segments, unpack)
         return sparse_attention_triton(q, segments, sinks, scale)
     return sparse_attention_ref(q, segments, sinks, scale, unpack)

@@ -86,6 +86,27 @@ def unpack_fp8_rows(b: torch.Tensor, head_dim: int, rope_dim: int, dtype: torch.
     return torch.cat((vals.to(dtype), rope.to(dtype)), dim=-1)
 
 
+@dataclass(frozen=True)
+class MainRowReader:
+    """Reads v4 main rows back (`unpack_fp8_rows`); kernels that dequantize on load read its dims."""
+
+    head_dim: int
+    rope_dim: int
+    dtype: torch.dtype
+
+    @property
+    def nope(self) -> int:
+        return self.head_dim - self.rope_dim
+
+    @property
+    def scale_offset(self) -> int:
+        """Byte offset of the first UE8M0 scale in a row."""
+        return self.nope + 2 * self.rope_dim
+
+    def __call__(self, b: torch.Tensor) -> torch.Tensor:
+        return unpack_fp8_rows(b, self.head_dim, self.rope_dim, self.dtype)
+
+
 # --- v4 indexer keys --------------------------------------------------------------------------------
 
 
@@ -173,6 +194,11 @@ class KVCodec:
     def index_query(self, q: torch.Tensor) -> torch.Tensor:
         """Indexer queries [..., index_dim] in the keys' space (the same rotation and rounding as keys)."""
         return self.fake_index(q)
+
+    @property
+    def main_reader(self) -> MainRowReader | None:
+        """What attention reads stored main rows through: None when rows are stored as values."""
+        return MainRowReader(self.head_dim, self.rope_dim, self.dtype) if self.packed else None
 
     # stored rows <-> computed rows: quantize once where rows are made, dequantize where they are read
     def pack_main(self, x: torch.Tensor) -> torch.Tensor:

@@ -98,6 +98,5 @@ def decode_layer(attn: Attention, store: DecodeKV, layer: int, x: torch.Tensor, 
         scores = idx.scores(codec.index_query(qi), w, codec.unpack_index(keys))
         ids = select_topk(scores, visible, idx.topk)  # [batch, k]
         segments.append(store.c4_segment(layer, ids))
-    unpack = codec.unpack_main if codec.packed else None
-    o = sparse_attention(q, [(s.pool, s.rows) for s in segments], attn.attn_sink, attn.scale, unpack)
+    o = sparse_attention(q, [(s.pool, s.rows) for s in segments], attn.attn_sink, attn.scale, codec.main_reader)
     return attn.output(o, lambda t: rot.apply(t, pos, inverse=True))

@@ -112,8 +112,8 @@ def _sparse(attn, lk, q, keys, num_old, start, window, qi, w, tile, codec) -> to
             ids = tiled_topk(score, counts, idx.topk, tile, q.device, block)  # [L, k]
             if ids.shape[1]:
                 segments.append((lk.entries, ids))
-    unpack = codec.unpack_main if codec.packed else None  # stored rows are dequantized as they are read
-    return prefill_attention(q, segments, prefix, attn.attn_sink, attn.scale, tile, unpack)
+    # stored rows are dequantized as they are read
+    return prefill_attention(q, segments, prefix, attn.attn_sink, attn.scale, tile, codec.main_reader)
 
 
 def score_block(tile: int) -> int:
