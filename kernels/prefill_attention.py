@@ -7,6 +7,7 @@ import torch
 from core import device
 from kernels.attention import dense_segments
 from kernels.attention_ref import Unpack
+from kernels.kv_format import MainRowReader
 from kernels.prefill_attention_ref import Prefix, prefill_attention_ref
 
 
@@ -25,7 +26,9 @@ def prefill_attention(
     if device.current().use_triton and q.is_cuda:
         from kernels.prefill_attention_triton import prefill_attention_triton
 
-        if unpack is not None:  # the kernel reads plain rows: dequantize what it will read first
+        if isinstance(unpack, MainRowReader):  # v4 main rows: the kernel dequantizes them as it loads them
+            return prefill_attention_triton(q, segments, prefix, sinks, scale, packed=unpack)
+        if unpack is not None:  # another row format: dequantize what the kernel will read first
             segments = dense_segments(segments, unpack)
             if prefix is not None:
                 prefix = (unpack(prefix[0]), prefix[1])
