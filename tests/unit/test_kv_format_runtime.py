@@ -16,7 +16,7 @@ from core.kv_format import fp4_key_bytes, fp8_main_row_bytes
 from core.roles import TierConfig
 from model.loader import load_model
 
-PROMPTS = (40, 133, 77)
+PROMPTS = (40, 133)
 STEPS = 40
 TOL = 1e-4
 """Largest |logit difference| allowed between the packed runtime and the dense reference (fp32 CPU;
