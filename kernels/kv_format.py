@@ -33,7 +33,7 @@ from core.kv_format import (
     is_packed,
     main_row_bytes,
 )
-from kernels.formats import dequant_fp4, e8m0_to_float, pow2_to_e8m0, quantize_act_fp8, quantize_fp4
+from kernels.formats import E2M1_VALUES, fp4_codes, pow2_to_e8m0, quantize_act_fp8, quantize_fp4
 
 _HADAMARD: dict[tuple[int, str, torch.dtype], torch.Tensor] = {}
 
@@ -54,6 +54,13 @@ def hadamard(n: int, device=None, dtype: torch.dtype = torch.float32) -> torch.T
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     """x [..., n] @ H (fp32): the rotation applied to indexer keys and queries."""
     return x.float() @ hadamard(x.shape[-1], x.device)
+
+
+def ue8m0_value(b: torch.Tensor) -> torch.Tensor:
+    """UE8M0 scale bytes (uint8) -> fp32 powers of two, 2**(b - 127). The same values as
+    `kernels.formats.e8m0_to_float` (the codes 255 = NaN never occur here), written with arithmetic
+    that every compiler backend supports (Inductor's CPU code has no float8_e8m0fnu type)."""
+    return torch.exp2(b.float() - 127.0)
 
 
 # --- v4 main rows -----------------------------------------------------------------------------------
@@ -80,7 +87,7 @@ def unpack_fp8_rows(b: torch.Tensor, head_dim: int, rope_dim: int, dtype: torch.
     blocks = -(-nope // MAIN_SCALE_BLOCK)
     vals = b[..., :nope].contiguous().view(torch.float8_e4m3fn).float()
     rope = b[..., nope : nope + 2 * rope_dim].contiguous().view(torch.bfloat16)
-    scale = e8m0_to_float(b[..., nope + 2 * rope_dim : nope + 2 * rope_dim + blocks].contiguous())
+    scale = ue8m0_value(b[..., nope + 2 * rope_dim : nope + 2 * rope_dim + blocks])
     vals = (vals.unflatten(-1, (-1, MAIN_SCALE_BLOCK)) * scale[..., None]).flatten(-2) if nope % MAIN_SCALE_BLOCK == 0 \
         else vals * scale.repeat_interleave(MAIN_SCALE_BLOCK, dim=-1)[..., :nope]
     return torch.cat((vals.to(dtype), rope.to(dtype)), dim=-1)
@@ -119,7 +126,9 @@ def pack_fp4_keys(x: torch.Tensor) -> torch.Tensor:
 def unpack_fp4_keys(b: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """MXFP4 rows [..., bytes] -> the keys in the rotated space [..., dim] (the rotation is not undone)."""
     half = dim // 2
-    return dequant_fp4(b[..., :half], b[..., half:], block=INDEX_SCALE_BLOCK)[..., :dim].to(dtype)
+    vals = torch.tensor(E2M1_VALUES, device=b.device)[fp4_codes(b[..., :half])]  # [..., dim]
+    scale = ue8m0_value(b[..., half:]).repeat_interleave(INDEX_SCALE_BLOCK, dim=-1)[..., :dim]
+    return (vals * scale).to(dtype)
 
 
 # --- one model's codec ------------------------------------------------------------------------------
