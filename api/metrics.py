@@ -64,12 +64,67 @@ class _ClusterCollector:
         for stage, n in (s.get("retries") or {}).items():
             retries.add_metric([self.model, stage], float(n))
         yield retries
+        yield counter("hisparse_prefill_computed_tokens", "Prompt tokens prefill computed (resumed ones excluded)",
+                      s.get("prefill_tokens_computed", 0))
+        yield from _prefix_cache(self.model, s.get("prefix_cache"))
+        routing = CounterMetricFamily("hisparse_prefix_routing", "Prefill routing decisions: to the actor holding the "
+                                      "prefix, away from it for load (capped), or least loaded", labels=["model", "decision"])
+        for decision, n in (s.get("prefix_routing") or {}).items():
+            routing.add_metric([self.model, decision], float(n))
+        yield routing
         progress = GaugeMetricFamily("hisparse_prefill_progress_tokens", "Prompt tokens done and in total of prompts "
                                      "being prefilled", labels=["model", "request", "part"])
         for rid, (done, total) in (s.get("prefill_progress") or {}).items():
             progress.add_metric([self.model, rid, "done"], float(done))
             progress.add_metric([self.model, rid, "total"], float(total))
         yield progress
+
+
+def _prefix_cache(model: str, pc: dict | None):
+    """The prefix cache's numbers, summed over the prefill actors (absent while no actor runs one)."""
+    if not pc:
+        return
+    lab = ["model"]
+
+    def one(kind, name, doc, value):
+        m = kind(name, doc, labels=lab)
+        m.add_metric([model], float(value))
+        return m
+
+    yield one(CounterMetricFamily, "hisparse_prefix_cache_prompt_tokens", "Prompt tokens looked up in the prefix cache",
+              pc["prompt_tokens"])
+    yield one(CounterMetricFamily, "hisparse_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+              pc["hit_tokens"])
+    rate = pc["hit_tokens"] / pc["prompt_tokens"] if pc["prompt_tokens"] else 0.0
+    yield one(GaugeMetricFamily, "hisparse_prefix_cache_hit_rate", "Cached tokens / prompt tokens since start", rate)
+    tier = GaugeMetricFamily("hisparse_prefix_cache_bytes", "Bytes the prefix cache holds, by tier and part",
+                             labels=["model", "tier", "part"])
+    for t in ("host", "disk"):
+        for part in ("seg", "state"):
+            tier.add_metric([model, t, "classical" if part == "seg" else "state"], float(pc[f"{t}_{part}_bytes"]))
+    yield tier
+    yield one(GaugeMetricFamily, "hisparse_prefix_cache_pages", "Pages cached (any tier)", pc["nodes"])
+    yield one(GaugeMetricFamily, "hisparse_prefix_cache_page_tokens", "Tokens per cached page", pc.get("page_tokens", 0))
+    pages = GaugeMetricFamily("hisparse_prefix_cache_tier_pages", "Pages whose entries a tier holds", labels=["model", "tier"])
+    for t in ("host", "disk"):
+        pages.add_metric([model, t], float(pc.get(f"{t}_pages", 0)))
+    yield pages
+    yield one(GaugeMetricFamily, "hisparse_prefix_cache_state_snapshots", "State snapshots cached", pc["state_snapshots"])
+    yield one(GaugeMetricFamily, "hisparse_prefix_cache_state_bytes_every_page",
+              "State bytes a snapshot at every cached page would hold", pc["state_bytes_every_page"])
+    yield one(CounterMetricFamily, "hisparse_prefix_cache_evictions", "Parts moved out of host memory", pc["evictions"])
+    yield one(CounterMetricFamily, "hisparse_prefix_cache_disk_drops", "Parts whose file left the disk tier", pc["disk_drops"])
+    io = CounterMetricFamily("hisparse_prefix_cache_disk_ops", "Disk tier reads and writes", labels=["model", "op"])
+    io.add_metric([model, "read"], float(pc["disk_reads"]))
+    io.add_metric([model, "write"], float(pc["disk_writes"]))
+    yield io
+    io_bytes = CounterMetricFamily("hisparse_prefix_cache_disk_io_bytes", "Bytes read and written by the disk tier",
+                                   labels=["model", "op"])
+    io_bytes.add_metric([model, "read"], float(pc["disk_read_bytes"]))
+    io_bytes.add_metric([model, "write"], float(pc["disk_write_bytes"]))
+    yield io_bytes
+    yield one(CounterMetricFamily, "hisparse_prefix_cache_disk_errors", "Disk files that failed their checksum (misses)",
+              pc["disk_errors"])
 
 
 class Metrics:

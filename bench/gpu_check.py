@@ -13,7 +13,11 @@ The checks:
   evictions) and the host-pool write, Triton on the device against the torch references;
 - `decode_graphs`: the built-in model decoding on the device through the tiered store (tier on
   and off), eager versus `decode_mode=compiled` (one CUDA graph per bucket, captured and
-  replayed): identical tokens, graphs captured, capture seconds, step times, kernels per eager step.
+  replayed): identical tokens, graphs captured, capture seconds, step times, kernels per eager step;
+- `packed_weights`: the packed-weight kernels (`bench.gpu_check_weights --quick`: FP8 linears, FP4
+  experts, the real-format checkpoint, compiled packed modules, TFLOP/s at V4-Flash shapes).
+
+One command covers what a lent GPU machine should run: `python -m bench.gpu_check`.
 """
 
 from __future__ import annotations
@@ -216,6 +220,14 @@ def decode_graphs() -> dict:
     out["eager_kernels_per_step"] = _kernels_per_step(worker)
     out["ok"] = bool(ok)
     return out
+
+
+@check
+def packed_weights() -> dict:
+    from bench.gpu_check_weights import checks
+
+    results = checks(quick=True)
+    return {"ok": all(c["ok"] is not False for c in results), "checks": results}
 
 
 def main() -> None:

@@ -73,6 +73,15 @@ def default_block_tokens(cfg: ModelConfig) -> int:
     return unit * max(1, math.ceil(256 / unit))
 
 
+def block_tokens_for(cfg: ModelConfig, requested: int | None) -> int:
+    """Tokens per classical block (= page): `requested`, or the default; always a multiple of both compress
+    rates, so a block boundary is also a boundary of every C4 and HCA window (the prefix cache's pages too)."""
+    n = requested or default_block_tokens(cfg)
+    if n % cfg.csa_rate or n % cfg.hca_rate:
+        raise ValueError(f"block_tokens {n} must be a multiple of {cfg.csa_rate} and {cfg.hca_rate}")
+    return n
+
+
 class Geometry:
     """Everything about the arena's shape, derived from the model config and the tier config."""
 
@@ -95,9 +104,7 @@ class Geometry:
         self.csa_index = {layer: j for j, layer in enumerate(self.csa_layers)}
         self.hca_index = {layer: j for j, layer in enumerate(self.hca_layers)}
         n_csa, n_hca = len(self.csa_layers), len(self.hca_layers)
-        self.block_tokens = tier.block_tokens or default_block_tokens(cfg)
-        if self.block_tokens % cfg.csa_rate or self.block_tokens % cfg.hca_rate:
-            raise ValueError(f"block_tokens {self.block_tokens} must be a multiple of {cfg.csa_rate} and {cfg.hca_rate}")
+        self.block_tokens = block_tokens_for(cfg, tier.block_tokens)
         self.e4 = self.block_tokens // cfg.csa_rate
         self.eh = self.block_tokens // cfg.hca_rate
         self.lru = tier.hot_buffer_slots if tier.hot_buffer_slots is not None else 2 * cfg.index_topk

@@ -82,6 +82,34 @@ def _add_tier(p: argparse.ArgumentParser) -> None:
     t.add_argument("--compile-cache-dir", default=None, help="torch.compile's on-disk cache (kept across restarts)")
 
 
+def _add_prefix_cache(p: argparse.ArgumentParser) -> None:
+    c = p.add_argument_group("prefix cache (prefill side; docs/prefix-cache.md)")
+    c.add_argument("--prefix-cache", type=_on_off, default=False, metavar="on|off",
+                   help="resume prefill from the longest cached prefix of each prompt (default off)")
+    c.add_argument("--prefix-cache-host-bytes", type=_bytes, default=1 << 30, metavar="BYTES",
+                   help="host memory per prefill actor for cached pages and state snapshots (default 1GiB)")
+    c.add_argument("--prefix-cache-disk-bytes", type=_bytes, default=0, metavar="BYTES",
+                   help="disk tier budget per prefill actor; 0 = no disk tier (default)")
+    c.add_argument("--prefix-cache-dir", default=None, metavar="DIR",
+                   help="directory of the disk tier; kept across restarts (with several prefill actors, each "
+                        "uses DIR/<actor name>)")
+    c.add_argument("--prefix-cache-page-tokens", type=int, default=None, metavar="N",
+                   help="tokens per cached page (a multiple of both compress rates; default: the KV block size)")
+    c.add_argument("--prefix-cache-state-policy", choices=["last", "every"], default="last",
+                   help="page boundaries that keep a state snapshot: last (of each prompt, and where a prompt leaves "
+                        "a cached one; default) or every page")
+
+
+def prefix_cache_config(args: argparse.Namespace):
+    from core.roles import PrefixCacheConfig
+
+    return PrefixCacheConfig(
+        enabled=args.prefix_cache, host_bytes=args.prefix_cache_host_bytes, disk_bytes=args.prefix_cache_disk_bytes,
+        directory=args.prefix_cache_dir, page_tokens=args.prefix_cache_page_tokens,
+        state_policy=args.prefix_cache_state_policy,
+    )
+
+
 def tier_config(args: argparse.Namespace):
     from core.roles import TierConfig
 
@@ -118,7 +146,8 @@ def serve_config(args: argparse.Namespace):
         kv_format=args.kv_format,
         tier=tier_config(args),
         step=step_config(args),
-        prefill=PrefillConfig(max_batch_tokens=args.max_batch_tokens, entry_tile=args.entry_tile),
+        prefill=PrefillConfig(max_batch_tokens=args.max_batch_tokens, entry_tile=args.entry_tile,
+                              prefix_cache=prefix_cache_config(args)),
         stub=stub,
         cluster=ClusterConfig(
             address=args.address, num_prefill=args.num_prefill, num_decode=args.num_decode,
@@ -218,6 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--max-batch-tokens", type=int, default=2048, help="prompt tokens per prefill forward")
     c.add_argument("--entry-tile", type=int, default=512,
                    help="compressed entries a prefill chunk reads at once (bounds its memory at any context; default 512)")
+    _add_prefix_cache(s)
     _add_tier(s)
 
     plan_cmd.add_parser(sub)

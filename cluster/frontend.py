@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import ray
 
 from cachetier.geometry import pages_for_request
+from cluster.affinity import PrefixAffinity
 from cluster.prefill_actor import ACTOR_GONE
 from cluster.protocol import (
     COLLECTIVE_TRANSPORTS,
@@ -59,6 +60,10 @@ from core.types import (
 from prefill.worker import PrefillRequest
 
 log = logging.getLogger(__name__)
+PREFIX_SUMS = ("lookups", "prompt_tokens", "hit_tokens", "nodes", "state_snapshots", "host_seg_bytes", "host_state_bytes",
+               "disk_seg_bytes", "disk_state_bytes", "state_bytes_every_page", "evictions", "disk_drops", "disk_reads",
+               "disk_writes", "disk_read_bytes", "disk_write_bytes", "disk_errors", "host_pages", "disk_pages")
+"""Prefix-cache numbers summed over the prefill actors for /metrics."""
 
 
 @dataclass
@@ -159,6 +164,13 @@ class Frontend:
         self.transport = transport
         self._pair_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self.prefill = [Member(h, i["name"], i) for h, i in prefill]
+        page = next((i.get("prefix_page_tokens") for _, i in prefill if i.get("prefix_page_tokens")), None)
+        slack = next((i.get("prefix_affinity_slack") for _, i in prefill if i.get("prefix_affinity_slack") is not None), 0)
+        self.affinity = PrefixAffinity(page, slack) if page and len(prefill) > 1 else None
+        """Prefix-affinity routing, when the prefill actors cache prefixes and there is a choice."""
+        if self.affinity is not None:
+            for m in self.prefill:  # what their disk tiers kept from an earlier run
+                self.affinity.seed(m.name, m.info.get("prefix_pages") or [])
         self.decode = [Member(h, i["name"], i) for h, i in decode]
         self.collectors: dict[str, Collector] = {}
         self.retries = {"prefill": 0, "decode": 0}
@@ -220,6 +232,8 @@ class Frontend:
             await asyncio.sleep(0.5)
             return
         log.info("%s answers again; it rejoins", m.name)
+        if self.affinity is not None and any(x is m for x in self.prefill):
+            self.affinity.seed(m.name, m.info.get("prefix_pages") or [])
         m.alive, m.hung, m.report = True, False, None
         m.lost = asyncio.Event()
         if m.orphans:  # a restarted actor has none of them; one that was only unreachable must drop them
@@ -257,6 +271,8 @@ class Frontend:
         """An actor died or hung: its attempts fail over (a hung one is also told to drop them)."""
         if dead:
             m.alive = False
+            if self.affinity is not None:  # a restarted actor starts with an empty cache (or only its disk tier)
+                self.affinity.forget(m.name)
         else:
             m.hung = True
         log.warning("%s; moving %d request(s) of this gateway elsewhere", why, len(m.keys))
@@ -351,20 +367,25 @@ class Frontend:
         finally:
             self.waiting -= 1
 
-    async def _pick_prefill(self) -> Member:
-        """The least loaded usable prefill actor; waits (up to the queue deadline) while all are restarting."""
+    async def _pick_prefill(self, preq: PrefillRequest | None = None) -> Member:
+        """The usable prefill actor holding the longest prefix of the prompt (within the load cap), else the least
+        loaded; waits (up to the queue deadline) while all are restarting."""
         deadline = time.monotonic() + self.deadlines.queue_timeout_s
         while True:
             live = [m for m in self.prefill if m.usable]
             if live:
-                return min(live, key=lambda m: sum(m.load.values()) + m.stats.get("queued_tokens", 0))
+                loads = {m.name: sum(m.load.values()) + m.stats.get("queued_tokens", 0) for m in live}
+                if self.affinity is not None and preq is not None:
+                    name = self.affinity.pick(loads, list(preq.prompt_token_ids) + list(preq.resume_tokens[:-1]))
+                    return next(m for m in live if m.name == name)
+                return min(live, key=lambda m: loads[m.name])
             if time.monotonic() >= deadline:
                 raise WorkerUnavailable(f"no prefill actor is alive (none came back within "
                                         f"{self.deadlines.queue_timeout_s:.0f} s, --queue-timeout-s); retry later")
             await asyncio.sleep(0.2)
 
     async def _run_prefill(self, preq: PrefillRequest, target: DecodeTarget | None) -> PrefillOutcome:
-        m = await self._pick_prefill()
+        m = await self._pick_prefill(preq)
         out = await self._prefill_on(m, preq, target)
         if out.awaiting_export is not None:
             await self._move_layout(m, target, out)
@@ -496,6 +517,13 @@ class Frontend:
         out["retries"] = dict(self.retries)
         out["prefill_queued_tokens"] = sum(m.stats.get("queued_tokens", 0) for m in self.prefill)
         out["prefill_progress"] = {rid: p for m in self.prefill for rid, p in m.stats.get("progress", {}).items()}
+        if self.affinity is not None:
+            out["prefix_routing"] = dict(self.affinity.count)
+        out["prefill_tokens_computed"] = sum(m.stats.get("tokens_in", 0) for m in self.prefill)
+        caches = [m.stats["prefix_cache"] for m in self.prefill if m.stats.get("prefix_cache")]
+        if caches:
+            out["prefix_cache"] = {k: sum(c[k] for c in caches) for k in PREFIX_SUMS}
+            out["prefix_cache"]["page_tokens"] = max(c["page_tokens"] for c in caches)
         return out
 
 

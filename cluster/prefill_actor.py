@@ -49,9 +49,15 @@ class PrefillActor:
                  eos_ids: tuple[int, ...] | None = None, deadlines: DeadlineConfig | None = None,
                  transport: str = "object_store", faults: FaultConfig | None = None, stub: StubConfig | None = None,
                  weights: str = "packed", kv_format: str = "auto") -> None:
+        import dataclasses
+
         from prefill.worker import PrefillWorker
 
         model = load_model_for_actor(model_spec, num_threads, stub, weights, kv_format)
+        pc = config.prefix_cache
+        if pc.disk_enabled:  # one directory per actor: two actors never write the same files
+            config = dataclasses.replace(config, prefix_cache=dataclasses.replace(
+                pc, directory=os.path.join(pc.directory, name)))
         self.name = name
         self.config = config
         self.deadlines = deadlines or DeadlineConfig()
@@ -64,7 +70,7 @@ class PrefillActor:
         self.exports: dict[str, tuple[object, float]] = {}  # direct tensor transports: layouts waiting to be moved
         self.handoffs = 0
         self.bytes_sent = 0
-        self._snapshot = {"queued_tokens": 0, "pending": 0, "tokens_in": 0, "progress": {}}
+        self._snapshot = {"queued_tokens": 0, "pending": 0, "tokens_in": 0, "progress": {}, "prefix_cache": None}
         self.thread = StepThread(f"prefill-{name}", self.worker.has_work, self._step)
 
     def _step(self) -> None:
@@ -87,7 +93,8 @@ class PrefillActor:
         """Publish the queue for `stats` (step thread only; read without waiting for a step)."""
         w = self.worker
         self._snapshot = {"queued_tokens": w.queued_tokens(), "pending": len(w.pending), "tokens_in": w.tokens_in,
-                          "progress": {g.request_id: (g.done_tokens, g.total_tokens) for g in w.progress()}}
+                          "progress": {g.request_id: (g.done_tokens, g.total_tokens) for g in w.progress()},
+                          "prefix_cache": w.prefix_cache.stats().as_dict() if w.prefix_cache is not None else None}
 
     def _abort_now(self, request_id: str) -> None:
         self.worker.abort(request_id)
@@ -100,8 +107,11 @@ class PrefillActor:
             resolve(loop, fut, value, error)
 
     async def ready(self) -> dict:
+        cache = self.worker.prefix_cache
         return {"name": self.name, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-                "layout_format": self.format}
+                "layout_format": self.format, "prefix_page_tokens": cache.page if cache is not None else None,
+                "prefix_affinity_slack": self.config.prefix_cache.affinity_slack_tokens,
+                "prefix_pages": cache.held_pages() if cache is not None else []}
 
     async def prefill(self, req, target: DecodeTarget | None = None) -> PrefillOutcome:
         """Prefill `req`; unless its first token ends it, hand it to `target` and return once decode holds it."""

@@ -47,6 +47,44 @@ class TierConfig:
     """Most requests decoding at once; their fixed-size state slots are carved from the budget."""
 
 
+STATE_POLICIES = ("last", "every")
+
+
+@dataclass(frozen=True)
+class PrefixCacheConfig:
+    """The prefill side's prefix cache (docs/prefix-cache.md): classical entries shared per page, window ring
+    and compressor state snapshotted at chosen page boundaries, in host memory with a disk tier below."""
+
+    enabled: bool = False
+    """Look prompts up in the cache and resume prefill from the longest cached prefix (`--prefix-cache on`)."""
+    host_bytes: int = 1 << 30
+    """Host bytes for cached pages and state snapshots; past it the least recently used go to disk (or away)."""
+    disk_bytes: int = 0
+    """Bytes of the disk tier under `directory`; 0 turns the disk tier off."""
+    directory: str | None = None
+    """Directory of the disk tier (kept across restarts: the index is rebuilt from its files)."""
+    page_tokens: int | None = None
+    """Tokens per cached page (a multiple of both compress rates); default: the KV block size."""
+    state_policy: str = "last"
+    """Which page boundaries keep a state snapshot: `last` (the last boundary of each prompt, and the point where
+    a prompt leaves a cached one), or `every` (every page: more hits inside prompts, much more state)."""
+    affinity_slack_tokens: int = 8192
+    """Routing: a prompt goes to the prefill actor that holds its longest prefix unless that actor has more than
+    this many prompt tokens in flight beyond the least loaded actor (then to the least loaded)."""
+
+    def __post_init__(self) -> None:
+        if self.state_policy not in STATE_POLICIES:
+            raise ValueError(f"state_policy must be one of {STATE_POLICIES}, got {self.state_policy!r}")
+        if self.host_bytes < 0 or self.disk_bytes < 0:
+            raise ValueError("prefix cache byte budgets must be >= 0")
+        if self.disk_bytes and not self.directory:
+            raise ValueError("a disk tier for the prefix cache needs a directory (--prefix-cache-dir)")
+
+    @property
+    def disk_enabled(self) -> bool:
+        return bool(self.disk_bytes and self.directory)
+
+
 DECODE_MODES = ("auto", "eager", "compiled")
 COMPILE_BACKENDS = ("inductor", "eager")
 
@@ -99,6 +137,8 @@ class PrefillConfig:
     running top-k, and HCA attention folds this many entries per step of its online softmax. With
     `max_batch_tokens` it bounds a chunk's transient memory whatever the context (docs/long-context.md).
     Multiples of 64 waste nothing (the indexer scores entries in groups of 64)."""
+    prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
+    """The prefix cache (off by default)."""
 
     def __post_init__(self) -> None:
         if self.max_batch_tokens < 1:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cachetier.layout import KVLayout
+from cachetier.layout import KVLayout, layout_format
+from cachetier.prefix import PrefixCache, PrefixHit
 from core.roles import PrefillConfig
 from core.types import InvalidRequestError, PromptLogprob, SampledToken, SamplingParams, finish_reason
 from model.model import V4Model
@@ -77,6 +78,8 @@ class _Pending:
         self.wants_logprobs = req.sampling.prompt_logprobs is not None and not req.resume_tokens
         self.logprobs: list[PromptLogprob] = []
         self.carry: torch.Tensor | None = None  # last chunk's final logits: they score the next chunk's first token
+        self.hit: PrefixHit | None = None  # the prefix cache's answer (pins its path until the request leaves)
+        self.snapshots: list[int] = []  # boundaries where prefill stops to store a prefix-cache snapshot
 
 
 @dataclass
@@ -86,13 +89,19 @@ class PrefillFailure:
 
 
 class PrefillWorker:
-    def __init__(self, model: V4Model, config: PrefillConfig | None = None, eos_ids: tuple[int, ...] | None = None) -> None:
+    def __init__(self, model: V4Model, config: PrefillConfig | None = None, eos_ids: tuple[int, ...] | None = None,
+                 prefix_cache: PrefixCache | None = None) -> None:
         self.model = model
         self.config = config or PrefillConfig()
         self.eos_ids = model.cfg.eos_token_ids if eos_ids is None else eos_ids
         self.pending: OrderedDict[str, _Pending] = OrderedDict()
         self.tokens_in = 0
+        """Prompt tokens computed (tokens resumed from the prefix cache are not)."""
         self.failures: list[PrefillFailure] = []
+        pc = self.config.prefix_cache
+        if prefix_cache is None and pc.enabled:
+            prefix_cache = PrefixCache(model.cfg, pc, layout_format(model.cfg, model.dtype))
+        self.prefix_cache = prefix_cache
 
     def validate(self, req: PrefillRequest) -> None:
         cfg = self.model.cfg
@@ -116,7 +125,36 @@ class PrefillWorker:
         self.pending[req.request_id] = _Pending(req)
 
     def abort(self, request_id: str) -> bool:
-        return self.pending.pop(request_id, None) is not None
+        p = self.pending.pop(request_id, None)
+        if p is not None:
+            self._release(p)
+        return p is not None
+
+    def _release(self, p: _Pending) -> None:
+        if p.hit is not None:
+            self.prefix_cache.release(p.hit)
+
+    def _start(self, p: _Pending) -> None:
+        """The request's layout: resumed from the longest cached prefix, or empty; room for every entry of the
+        prompt is reserved so that chunks append without copying."""
+        p.layout = self.model.new_layout()
+        p.layout.reserve(self.model.cfg, len(p.tokens))
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        limit = 0 if p.wants_logprobs else len(p.tokens) - 1  # prompt log-probabilities need every position's logits
+        try:
+            p.hit = cache.acquire(p.tokens, limit)
+            if p.hit.tokens:
+                cache.restore(p.hit, p.layout)
+                p.done = p.hit.tokens
+            p.snapshots = cache.snapshot_points(len(p.tokens), p.hit)
+        except Exception:  # the cache is an optimisation: on any failure of its own, prefill from the start
+            log.exception("prefix cache: lookup for %s failed; prefilling it whole", p.req.request_id)
+            self._release(p)
+            p.hit, p.done, p.snapshots = None, 0, []
+            p.layout = self.model.new_layout()
+            p.layout.reserve(self.model.cfg, len(p.tokens))
 
     def queued_tokens(self) -> int:
         return sum(len(p.tokens) - p.done for p in self.pending.values())
@@ -140,7 +178,11 @@ class PrefillWorker:
                 break
             if p.req.solo and chosen:
                 continue  # a solo request waits for a step of its own
+            if p.layout is None:
+                self._start(p)
             n = min(len(p.tokens) - p.done, budget)
+            if p.snapshots:  # stop at the next snapshot boundary: the state is taken there exactly
+                n = min(n, p.snapshots[0] - p.done)
             chosen.append((p, n))
             budget -= n
             if p.req.solo:
@@ -153,10 +195,6 @@ class PrefillWorker:
         chosen = self._choose()
         if not chosen:
             return []
-        for p, _ in chosen:
-            if p.layout is None:  # room for every entry of the prompt: chunks append without copying
-                p.layout = self.model.new_layout()
-                p.layout.reserve(self.model.cfg, len(p.tokens))
         items = [(p.tokens[p.done : p.done + n], p.layout) for p, n in chosen]
         full = [p.wants_logprobs for p, _ in chosen]
         try:
@@ -166,6 +204,7 @@ class PrefillWorker:
             log.exception("prefill step over %d request(s) failed; failing them", len(chosen))
             for p, _ in chosen:
                 del self.pending[p.req.request_id]
+                self._release(p)
                 self.failures.append(PrefillFailure(p.req.request_id, f"a prefill step it was in failed: {type(e).__name__}: {e}"))
             return []
         finished: list[tuple[_Pending, torch.Tensor]] = []
@@ -176,9 +215,18 @@ class PrefillWorker:
                 lo = lo[-1:]
             p.done += n
             self.tokens_in += n
+            if p.snapshots and p.done == p.snapshots[0]:
+                p.snapshots.pop(0)
+                self._store(p)
             if p.done == len(p.tokens):
                 finished.append((p, lo))
         return self._finish(finished)
+
+    def _store(self, p: _Pending) -> None:
+        try:
+            self.prefix_cache.store(p.tokens[: p.done], p.layout)
+        except Exception:  # the cache is an optimisation: a failure to keep a snapshot never fails the request
+            log.exception("prefix cache: storing %d tokens of %s failed", p.done, p.req.request_id)
 
     def _score(self, p: _Pending, logits: torch.Tensor, n: int) -> None:
         """Log-probabilities of this chunk's prompt tokens from the logits before each of them."""
@@ -211,6 +259,7 @@ class PrefillWorker:
         for p, _ in finished:
             req = p.req
             del self.pending[req.request_id]
+            self._release(p)
             reason = None
             if req.resume_tokens:
                 first, n_gen = SampledToken(req.resume_tokens[-1]), len(req.resume_tokens)

@@ -5,9 +5,10 @@ buffer), the tier off (everything in the device arena) and plain layouts (the mo
 Ten requests of mixed lengths, greedy and seeded sampling, several joining mid-run and several
 leaving early, eight or more decoding at once, over 1000 tokens for most of them.
 
-The tier on and off also run the schedule the way `decode_mode=compiled` does: padded to batch and
-context buckets, the whole step captured by `torch.compile(fullgraph=True)` (with the `eager`
-backend here: the capture is what is under test; `test_compiled_step` runs Inductor's code).
+The tier on also runs the schedule the way `decode_mode=compiled` does: padded to batch and context
+buckets, the whole step captured by `torch.compile(fullgraph=True)` (with the `eager` backend here:
+the capture is what is under test; `test_compiled_step` runs Inductor's code, and the tier off
+captured against HF).
 """
 
 from __future__ import annotations
@@ -72,7 +73,6 @@ def streams(tiny_model):
         "off": _schedule(tiny_model, off()),
         "plain": _schedule(tiny_model, LayoutStore(cfg)),
         "on_captured": _schedule(tiny_model, on(), CAPTURED),
-        "off_captured": _schedule(tiny_model, off(), CAPTURED),
     }
 
 
@@ -84,13 +84,13 @@ def test_streams_identical_across_tiers(streams):
     assert streams["on"][1] >= 8  # at least eight requests decoded side by side
 
 
-@pytest.mark.parametrize("name", ["on_captured", "off_captured"])
+@pytest.mark.parametrize("name", ["on_captured"])
 def test_captured_step_gives_the_same_streams(streams, name):
     assert streams[name][2].runner.mode == "compiled"
     assert streams[name][0] == streams["on"][0]
 
 
-@pytest.mark.parametrize("name", ["on_captured", "off_captured"])
+@pytest.mark.parametrize("name", ["on_captured"])
 def test_captured_step_compiles_once_per_bucket(streams, name):
     """Across 1000+ steps and many buckets the step is captured whole (fullgraph) and never again for a bucket it has seen."""
     runner = streams[name][2].runner
@@ -113,7 +113,7 @@ def test_misses_on_every_csa_layer(streams, name):
 
 
 def test_everything_returned_after_the_run(streams):
-    for name in ("on", "off", "on_captured", "off_captured"):
+    for name in ("on", "off", "on_captured"):
         st = streams[name][2].stats()
         assert st["running"] == 0 and st["device_bytes_used"] == 0 and st["host_bytes_used"] == 0
         assert st["pages_free"] == st["pages_total"]

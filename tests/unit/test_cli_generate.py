@@ -45,25 +45,16 @@ def test_bad_input_is_a_clear_error():
 
 def test_tier_options_same_tokens_and_counters():
     common = ("--prompt-ids", "5,6,7,8,9,10,11,12,13", "--max-tokens", "120", "--json", "--ignore-eos", "--device-budget", "8MiB")
-    on = _run(*common, "--offload", "on", "--hot-buffer-slots", "16")
+    # the tier on runs the fixed-shape step, captured whole (the eager backend compiles in seconds)
+    on = _run(*common, "--offload", "on", "--hot-buffer-slots", "16", "--decode-mode", "compiled", "--compile-backend", "eager")
     off = _run(*common, "--offload", "off")
     assert on.returncode == 0 and off.returncode == 0, on.stderr + off.stderr
     a, b = json.loads(on.stdout), json.loads(off.stdout)
     assert a["token_ids"] == b["token_ids"]
     assert a["misses"] > 0 and a["hits"] > 0 and a["bytes_h2d"] > 0
     assert b["misses"] == 0 and b["bytes_h2d"] == 0
-    assert a["decode_step"]["mode"] == "eager"  # the default on a CPU
-
-
-def test_compiled_decode_mode_gives_the_same_tokens():
-    common = ("--prompt-ids", "5,6,7,8,9,10,11,12,13", "--max-tokens", "40", "--json", "--ignore-eos",
-              "--offload", "on", "--hot-buffer-slots", "16")
-    eager = _run(*common)
-    compiled = _run(*common, "--decode-mode", "compiled", "--compile-backend", "eager")
-    assert eager.returncode == 0 and compiled.returncode == 0, eager.stderr + compiled.stderr
-    a, b = json.loads(eager.stdout), json.loads(compiled.stdout)
-    assert b["decode_step"]["mode"] == "compiled" and b["decode_step"]["compiles"] >= 1
-    assert a["token_ids"] == b["token_ids"]
+    assert a["decode_step"]["mode"] == "compiled" and a["decode_step"]["compiles"] >= 1
+    assert b["decode_step"]["mode"] == "eager"  # `auto`, the default, on a CPU
 
 
 def test_tier_option_errors_name_the_fix():

@@ -1,0 +1,47 @@
+"""The prefix cache's flags reach the prefill config; its numbers reach /metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from api.metrics import Metrics
+from cluster.cli import build_parser, serve_config
+from core.roles import PrefixCacheConfig
+
+
+def test_flags_build_the_prefix_cache_config(tmp_path):
+    args = ["serve", "--prefix-cache", "on", "--prefix-cache-host-bytes", "2GiB", "--prefix-cache-disk-bytes", "10GB",
+            "--prefix-cache-dir", str(tmp_path), "--prefix-cache-page-tokens", "512", "--prefix-cache-state-policy", "every"]
+    pc = serve_config(build_parser().parse_args(args)).prefill.prefix_cache
+    assert pc == PrefixCacheConfig(enabled=True, host_bytes=2 * 2**30, disk_bytes=10**10, directory=str(tmp_path),
+                                   page_tokens=512, state_policy="every")
+    assert pc.disk_enabled
+    off = serve_config(build_parser().parse_args(["serve"])).prefill.prefix_cache
+    assert not off.enabled and not off.disk_enabled
+
+
+def test_a_disk_tier_needs_a_directory():
+    with pytest.raises(ValueError, match="directory"):
+        PrefixCacheConfig(enabled=True, disk_bytes=1)
+    with pytest.raises(ValueError, match="state_policy"):
+        PrefixCacheConfig(state_policy="sometimes")
+
+
+def test_metrics_show_the_prefix_cache():
+    pc = {"lookups": 4, "prompt_tokens": 1000, "hit_tokens": 750, "nodes": 5, "state_snapshots": 2,
+          "host_seg_bytes": 100, "host_state_bytes": 200, "disk_seg_bytes": 300, "disk_state_bytes": 400,
+          "state_bytes_every_page": 500, "evictions": 6, "disk_drops": 1, "disk_reads": 7, "disk_writes": 8,
+          "disk_read_bytes": 70, "disk_write_bytes": 80, "disk_errors": 2}
+    text = Metrics("m", lambda: {"prefix_cache": pc, "prefix_routing": {"affinity": 3, "capped": 1},
+                                 "prefill_tokens_computed": 250}).render().decode()
+    for line in ('hisparse_prefix_cache_hit_rate{model="m"} 0.75',
+                 'hisparse_prefix_cache_bytes{model="m",part="state",tier="disk"} 400.0',
+                 'hisparse_prefix_cache_bytes{model="m",part="classical",tier="host"} 100.0',
+                 'hisparse_prefix_cache_evictions_total{model="m"} 6.0',
+                 'hisparse_prefix_cache_disk_ops_total{model="m",op="read"} 7.0',
+                 'hisparse_prefix_cache_disk_ops_total{model="m",op="write"} 8.0',
+                 'hisparse_prefix_cache_disk_errors_total{model="m"} 2.0',
+                 'hisparse_prefix_routing_total{decision="affinity",model="m"} 3.0',
+                 'hisparse_prefill_computed_tokens_total{model="m"} 250.0'):
+        assert line in text, line
+    assert "hisparse_prefix_cache_hit_rate" not in Metrics("m", lambda: {}).render().decode()
