@@ -1,6 +1,7 @@
 """The HiSparse tier's three numbers, each measured side by side in one run (prints one JSON object).
 
     python -m bench.tier capacity   [--budget 256MiB] [--contexts 4096,...,131000] [--layouts synthetic|real]
+                                    [--kv-format bf16|v4]
     python -m bench.tier step-cost  [--batch 8] [--context 4096] [--steps 40]
     python -m bench.tier miss-rate  [--tokens 1500] [--trace-steps 2000]
 
@@ -42,17 +43,20 @@ def _model():
 
 def synthetic_layout(cfg, tokens: int, seed: int = 0) -> KVLayout:
     """A layout with the shape prefill gives after `tokens` tokens, random contents (capacity counts bytes)."""
+    from kernels.kv_format import model_codec
+
     g = torch.Generator().manual_seed(seed)
+    codec = model_codec(cfg, torch.float32)  # rows stored as cfg.kv_format stores them
     lay = KVLayout.empty(cfg)
     lay.num_tokens = tokens
     for lk in lay.layers:
-        lk.window.normal_(generator=g)
+        lk.window = codec.pack_main(torch.randn(cfg.sliding_window, cfg.head_dim, generator=g))
         if lk.kind == "csa":
             n = tokens // cfg.csa_rate
-            lk.entries = torch.randn(n, cfg.head_dim, generator=g)
-            lk.index_keys = torch.randn(n, cfg.index_head_dim, generator=g)
+            lk.entries = codec.pack_main(torch.randn(n, cfg.head_dim, generator=g))
+            lk.index_keys = codec.pack_index(torch.randn(n, cfg.index_head_dim, generator=g))
         elif lk.kind == "hca":
-            lk.entries = torch.randn(tokens // cfg.hca_rate, cfg.head_dim, generator=g)
+            lk.entries = codec.pack_main(torch.randn(tokens // cfg.hca_rate, cfg.head_dim, generator=g))
     return lay
 
 
@@ -76,14 +80,18 @@ def prefilled_layout(model, tokens: int, max_tokens: int, seed: int = 0) -> tupl
     return done[0].layout, time.perf_counter() - t0
 
 
-def capacity(budget: int, contexts: list[int], max_tokens: int, real: bool = False) -> dict:
+def capacity(budget: int, contexts: list[int], max_tokens: int, real: bool = False, kv_format: str = "bf16",
+             cfg=None) -> dict:
+    """`cfg` (synthetic layouts only): the geometry to measure (default the built-in model's)."""
+    import dataclasses
+
     from cachetier.store import TieredStore
     from core.types import SampledToken, SamplingParams
     from decode.worker import DecodeRequest, DecodeWorker
     from model.builtin import tiny_config
 
-    model = _model() if real else None
-    cfg = model.cfg if real else tiny_config()
+    model = _model().set_kv_format(kv_format) if real else None
+    cfg = model.cfg if real else dataclasses.replace(cfg or tiny_config(), kv_format=kv_format)
     rows = []
     for ctx in contexts:
         row = {"context": ctx}
@@ -122,7 +130,7 @@ def capacity(budget: int, contexts: list[int], max_tokens: int, real: bool = Fal
         progress(f"capacity at {ctx}: {row['tokens_off']} tokens off, {row['tokens_on']} on ({row['ratio']}x)")
         rows.append(row)
     kind = "built by the prefill worker (built-in model, random prompts)" if real else "synthetic (prefill shape, random contents)"
-    return {"budget_bytes": budget, "max_tokens": max_tokens, "layouts": kind, "rows": rows}
+    return {"budget_bytes": budget, "max_tokens": max_tokens, "kv_format": kv_format, "layouts": kind, "rows": rows}
 
 
 # --- selection traces -----------------------------------------------------------------------------
@@ -320,6 +328,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layouts", choices=["synthetic", "real"], default="synthetic")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--kv-format", choices=["bf16", "v4"], default="bf16", help="capacity: how KV rows are stored")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=40)
@@ -333,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.what == "capacity":
         real = a.layouts == "real"
         contexts = a.contexts or ("32768,131008" if real else "4096,8192,16384,32768,65536,131000")
-        res = capacity(budget, [int(x) for x in contexts.split(",")], a.max_tokens, real)
+        res = capacity(budget, [int(x) for x in contexts.split(",")], a.max_tokens, real, a.kv_format)
     elif a.what == "step-cost":
         res = step_cost(a.batch, a.context, a.steps, budget, a.repeats)
     else:

@@ -4,9 +4,16 @@ All KV data sits in one flat device tensor. A *page* holds one classical block: 
 tokens the indexer keys of every CSA layer, the HCA entries of every HCA layer and — only with the
 tier off — the C4 entries of every CSA layer. A request's fixed-size *state* (window rings of every
 layer, compressor tails and overlaps, and with the tier on its hot buffers) fills a group of
-consecutive pages. Every field starts at an element offset that is a multiple of every row width in
-use, so the arena can be viewed as rows of any of those widths and a row index is simply
-(element offset / width).
+consecutive pages.
+
+Rows are stored as the model's KV format stores them (`kernels.kv_format`): with `bf16` the arena is
+in the compute dtype and a row is `head_dim` (or `index_head_dim`) elements; with a packed format
+(`v4`) the arena is bytes, a main row (SWA key, C4/HCA entry, hot slot) is its packed size and an
+indexer key its packed size, and the compressor state (kept in the compute dtype) is stored as its
+raw bytes. Fields whose rows attention reads as a pool (`Field.rowed`: SWA, C4, HCA, hot) start at an
+offset that is a multiple of their row width, so the arena can be viewed as rows of that width and a
+row index is simply (element offset / width); the others are addressed by element offset
+(`Field.start`). Without packing every field is aligned that way (the layout of earlier versions).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import torch
 
 from core.config import ModelConfig
 from core.roles import TierConfig, format_bytes
+from kernels.kv_format import model_codec
 
 
 class BudgetTooSmall(ValueError):
@@ -30,15 +38,22 @@ class Field:
     """Element offset from the start of the page (block fields) or of the group (state fields)."""
     shape: tuple[int, ...]
     width: int
-    """Row width: the last axis."""
+    """Row width in arena elements: the last axis."""
+    rowed: bool = True
+    """Whether the field starts at a multiple of `width` (so `row` is valid)."""
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
     def row(self, base_elems, local_row):
-        """Row index in the arena viewed as rows of `width`."""
+        """Row index in the arena viewed as rows of `width` (rowed fields only)."""
+        assert self.rowed, "field is not aligned to its row width; address it with start()"
         return (base_elems + self.offset) // self.width + local_row
+
+    def start(self, base_elems, local_row):
+        """Element offset of a row in the flat arena."""
+        return base_elems + self.offset + local_row * self.width
 
 
 def block_rows(table: torch.Tensor, entries: torch.Tensor, per_block: int) -> torch.Tensor:
@@ -73,9 +88,18 @@ class Geometry:
     def __init__(self, cfg: ModelConfig, tier: TierConfig, dtype: torch.dtype) -> None:
         self.cfg, self.tier, self.dtype = cfg, tier, dtype
         self.offload = tier.offload
-        self.elem = torch.empty((), dtype=dtype).element_size()
+        self.codec = codec = model_codec(cfg, dtype)
+        self.packed = codec.packed
+        self.arena_dtype = codec.storage_dtype
+        self.elem = torch.empty((), dtype=self.arena_dtype).element_size()
+        """Bytes per arena element."""
+        # arena elements per compressor-state value: the state keeps the compute dtype, as raw bytes when packed
+        self.state_elems_per_value = torch.empty((), dtype=dtype).element_size() if self.packed else 1
         d, di, w = cfg.head_dim, cfg.index_head_dim, cfg.sliding_window
         self.d, self.di, self.window = d, di, w
+        self.md, self.iw = codec.main_width, codec.index_width
+        """Stored row widths in arena elements: main rows (SWA, C4, HCA, hot) and indexer keys."""
+        self.main_bytes, self.index_bytes = codec.main_bytes, codec.index_bytes
         self.csa_layers, self.hca_layers = cfg.csa_layers, cfg.hca_layers
         self.csa_index = {layer: j for j, layer in enumerate(self.csa_layers)}
         self.hca_index = {layer: j for j, layer in enumerate(self.hca_layers)}
@@ -91,49 +115,59 @@ class Geometry:
         if self.reserved < 0:
             raise ValueError("reserved_slots must be >= 0")
         self.hot_slots = self.lru + self.reserved
-        self.align = math.lcm(d, 2 * d, di, 2 * di)
+        # plain: every field aligned to every row width; packed: main-row fields aligned to the main row
+        self.align = self.md if self.packed else math.lcm(d, 2 * d, di, 2 * di)
+        md, iw, sv = self.md, self.iw, self.state_elems_per_value
+
+        def placer(fields: dict[str, Field]):
+            off = 0
+
+            def add(name: str, shape: tuple[int, ...], rowed: bool) -> None:
+                nonlocal off
+                if rowed or not self.packed:
+                    off = self._aligned(off)
+                fields[name] = Field(off, shape, shape[-1], rowed or not self.packed)
+                off += math.prod(shape)
+
+            def end() -> int:
+                return self._aligned(off)
+
+            return add, end
 
         # page (= one classical block) layout
         self.block_fields: dict[str, Field] = {}
-        off = 0
-        for name, shape in (("index_keys", (n_csa, self.e4, di)), ("hca", (n_hca, self.eh, d)),
-                            ("c4", (n_csa, self.e4, d) if not self.offload else None)):
+        add, end = placer(self.block_fields)
+        for name, shape, rowed in (("index_keys", (n_csa, self.e4, iw), False), ("hca", (n_hca, self.eh, md), True),
+                                   ("c4", (n_csa, self.e4, md) if not self.offload else None, True)):
             if shape is None or math.prod(shape) == 0:
                 continue
-            self.block_fields[name] = Field(off, shape, shape[-1])
-            off = self._aligned(off + math.prod(shape))
-        self.page_elems = max(off, self.align)
+            add(name, shape, rowed)
+        self.page_elems = max(end(), self.align)
 
         # state group layout
         self.state_fields: dict[str, Field] = {}
-        off = 0
-
-        def add(name: str, shape: tuple[int, ...]) -> None:
-            nonlocal off
-            self.state_fields[name] = Field(off, shape, shape[-1])
-            off = self._aligned(off + math.prod(shape))
-
-        add("swa", (cfg.num_layers, w, d))
+        add, end = placer(self.state_fields)
+        add("swa", (cfg.num_layers, w, md), True)
         m = cfg.csa_rate
         for layer in self.csa_layers:
             for comp, width in (("main", d), ("index", di)):
-                add(f"{layer}.{comp}.kv", (m, 2 * width))
-                add(f"{layer}.{comp}.score", (m, 2 * width))
-                add(f"{layer}.{comp}.prev_kv", (m, width))
-                add(f"{layer}.{comp}.prev_score", (m, width))
+                add(f"{layer}.{comp}.kv", (m, 2 * width * sv), False)
+                add(f"{layer}.{comp}.score", (m, 2 * width * sv), False)
+                add(f"{layer}.{comp}.prev_kv", (m, width * sv), False)
+                add(f"{layer}.{comp}.prev_score", (m, width * sv), False)
         for layer in self.hca_layers:
-            add(f"{layer}.main.kv", (cfg.hca_rate, d))
-            add(f"{layer}.main.score", (cfg.hca_rate, d))
+            add(f"{layer}.main.kv", (cfg.hca_rate, d * sv), False)
+            add(f"{layer}.main.score", (cfg.hca_rate, d * sv), False)
         if self.offload and n_csa:
-            add("hot", (n_csa, self.hot_slots, d))
-        self.state_elems = off
+            add("hot", (n_csa, self.hot_slots, md), True)
+        self.state_elems = end()
         self.group_pages = max(1, math.ceil(self.state_elems / self.page_elems))
 
         # bytes: pages carry the entry->slot map with the tier; groups carry hot-buffer bookkeeping
         self.map_bytes_per_page = n_csa * self.e4 * 4 if self.offload else 0
         self.meta_bytes_per_group = n_csa * (self.hot_slots * 8 + self.lru * 8) if self.offload else 0
         self.page_bytes = self.page_elems * self.elem + self.map_bytes_per_page
-        self.host_block_bytes = n_csa * self.e4 * d * self.elem if self.offload else 0
+        self.host_block_bytes = n_csa * self.e4 * self.main_bytes if self.offload else 0
 
         budget = tier.device_budget_bytes
         per_page = self.page_bytes + self.meta_bytes_per_group / self.group_pages
@@ -159,6 +193,16 @@ class Geometry:
     def _aligned(self, n: int) -> int:
         return -(-n // self.align) * self.align
 
+    def state_to_arena(self, t: torch.Tensor) -> torch.Tensor:
+        """Compressor-state values [..., width] as arena elements [..., field width]."""
+        if self.packed:
+            return t.to(self.dtype).contiguous().view(torch.uint8)
+        return t.to(self.arena_dtype)
+
+    def state_from_arena(self, t: torch.Tensor) -> torch.Tensor:
+        """Arena elements [..., field width] (a gathered, contiguous copy) back as state values."""
+        return t.view(self.dtype) if self.packed else t
+
     def device_bytes(self, num_pages: int) -> int:
         return num_pages * self.page_bytes + (num_pages // self.group_pages) * self.meta_bytes_per_group
 
@@ -174,7 +218,8 @@ class Geometry:
 
     def describe(self) -> dict:
         return {
-            "offload": self.offload, "block_tokens": self.block_tokens, "page_bytes": self.page_bytes,
+            "offload": self.offload, "kv_format": self.codec.format, "main_row_bytes": self.main_bytes,
+            "index_key_bytes": self.index_bytes, "block_tokens": self.block_tokens, "page_bytes": self.page_bytes,
             "group_pages": self.group_pages, "num_pages": self.num_pages, "num_groups": self.num_groups,
             "hot_buffer_slots": self.lru if self.offload else 0, "reserved_slots": self.reserved,
             "host_blocks": self.num_host_blocks, "host_block_bytes": self.host_block_bytes,

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from core.config import CSA, HCA, SLIDING, ModelConfig
+from kernels.kv_format import model_codec
 
 # Kinds reported by `KVLayout.nbytes()`.
 C4 = "c4"
@@ -74,12 +75,13 @@ class LayerKV:
 
     kind: str
     window: torch.Tensor
-    """[sliding_window, head_dim] ring of raw keys (= values)."""
+    """[sliding_window, row] ring of raw keys (= values). A row is `head_dim` values in the compute dtype, or
+    for a packed KV format (`kernels.kv_format`) the stored bytes of one key; the same for entries and keys."""
     entries: torch.Tensor | None = None
-    """[num_entries, head_dim]: C4 entries (CSA) or HCA entries (HCA); stored normed and rotated. May be a
+    """[num_entries, row]: C4 entries (CSA) or HCA entries (HCA); stored normed and rotated. May be a
     prefix view of a larger buffer that this layer alone owns (room to append, see `append_rows`)."""
     index_keys: torch.Tensor | None = None
-    """[num_entries, index_head_dim]: the indexer's keys (CSA only), entry s describes the same tokens as C4 entry s.
+    """[num_entries, index row]: the indexer's keys (CSA only), entry s describes the same tokens as C4 entry s.
     Grows like `entries`."""
     compressor: CompressorState | None = None
     index_compressor: CompressorState | None = None
@@ -100,9 +102,13 @@ class KVLayout:
 
     @staticmethod
     def empty(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device=None) -> KVLayout:
+        """An empty layout for a model computing in `dtype`: compressor state in `dtype`, KV rows as
+        `cfg.kv_format` stores them (`kernels.kv_format`: uint8 byte rows when packed)."""
+        codec = model_codec(cfg, dtype)
+        rows, mw, iw = codec.storage_dtype, codec.main_width, codec.index_width
         layers = []
         for kind in cfg.layer_types:
-            window = torch.zeros(cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device)
+            window = torch.zeros(cfg.sliding_window, mw, dtype=rows, device=device)
             if kind == SLIDING:
                 layers.append(LayerKV(kind, window))
                 continue
@@ -110,15 +116,15 @@ class KVLayout:
             if kind == HCA:
                 layers.append(LayerKV(
                     kind, window,
-                    entries=torch.zeros(0, d, dtype=dtype, device=device),
+                    entries=torch.zeros(0, mw, dtype=rows, device=device),
                     compressor=CompressorState.empty(cfg.hca_rate, d, False, dtype, device),
                 ))
             else:
                 di = cfg.index_head_dim
                 layers.append(LayerKV(
                     kind, window,
-                    entries=torch.zeros(0, d, dtype=dtype, device=device),
-                    index_keys=torch.zeros(0, di, dtype=dtype, device=device),
+                    entries=torch.zeros(0, mw, dtype=rows, device=device),
+                    index_keys=torch.zeros(0, iw, dtype=rows, device=device),
                     compressor=CompressorState.empty(cfg.csa_rate, 2 * d, True, dtype, device),
                     index_compressor=CompressorState.empty(cfg.csa_rate, 2 * di, True, dtype, device),
                 ))
@@ -229,7 +235,7 @@ def layout_format(cfg: ModelConfig, dtype: torch.dtype) -> str:
     accepts a layout only when its own format is the same string (a mismatch is refused, not guessed)."""
     kinds = "".join(k[0] for k in cfg.layer_types)
     return (f"v{LAYOUT_VERSION}:{str(dtype).removeprefix('torch.')}:d{cfg.head_dim}:i{cfg.index_head_dim}"
-            f":w{cfg.sliding_window}:c{cfg.csa_rate}:h{cfg.hca_rate}:{kinds}")
+            f":w{cfg.sliding_window}:c{cfg.csa_rate}:h{cfg.hca_rate}:{kinds}:kv-{cfg.kv_format}")
 
 
 @dataclass

@@ -75,6 +75,7 @@ from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
 from core.config import CSA, HASH_MOE, SLIDING, WEIGHT_MODES, WEIGHTS_DEQUANTIZE, WEIGHTS_PACKED, ModelConfig
+from core.kv_format import BF16, V4, fp4_key_bytes, fp8_main_row_bytes
 from core.roles import TierConfig
 
 # Cache kinds; the first five are spelled as in `cachetier.layout` (kept torch-free here on purpose).
@@ -102,6 +103,16 @@ DEQUANTIZED_WEIGHT_BYTES = 2
 """Bytes per weight of an FP8 or FP4 matrix expanded at load (`weights=dequantize`): bf16."""
 
 
+def entry_formats(kv_format: str) -> tuple[str, str]:
+    """The planner's (kv entry format, index key format) for a runtime KV format (`core.kv_format`):
+    `v4` stores `fp8` rows and `fp4` keys; `bf16` stores both in bf16 (a bf16 compute dtype)."""
+    if kv_format == V4:
+        return "fp8", "fp4"
+    if kv_format == BF16:
+        return "bf16", "bf16"
+    raise PlanError(f"the planner has no entry formats for kv format {kv_format!r}")
+
+
 class PlanError(ValueError):
     """The inputs describe something that cannot be served (nothing fits, bad format names, ...)."""
 
@@ -114,9 +125,7 @@ def kv_entry_bytes(cfg: ModelConfig, kv_format: str) -> int:
     if kv_format == "bf16":
         return 2 * cfg.head_dim
     if kv_format == "fp8":
-        nope = cfg.head_dim - cfg.rope_head_dim
-        raw = nope + 2 * cfg.rope_head_dim + math.ceil(nope / 64)
-        return _round_up(raw, 8)
+        return fp8_main_row_bytes(cfg.head_dim, cfg.rope_head_dim)
     raise PlanError(f"unknown kv format {kv_format!r}; expected one of {KV_FORMATS}")
 
 
@@ -128,7 +137,7 @@ def index_key_bytes(cfg: ModelConfig, index_format: str) -> int:
     if index_format == "fp8":
         return d + 4
     if index_format == "fp4":
-        return math.ceil(d / 2) + math.ceil(d / 32)
+        return fp4_key_bytes(d)
     raise PlanError(f"unknown index format {index_format!r}; expected one of {INDEX_FORMATS}")
 
 
@@ -732,8 +741,4 @@ def plan(cfg: ModelConfig, inputs: PlanInputs) -> Plan:
         requests_with_tier_host_limited=host_limited,
         notes=tuple(notes),
     )
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 

@@ -172,7 +172,7 @@ class TieredStore(KVStore):
         dev = devices.current()
         self.device = torch.device(device) if device is not None else dev.torch_device
         # real pages first, then the scratch group and page (see `Geometry`)
-        self.arena = torch.zeros(g.arena_pages * g.page_elems, dtype=dtype, device=self.device)
+        self.arena = torch.zeros(g.arena_pages * g.page_elems, dtype=g.arena_dtype, device=self.device)
         self.pages = PageAllocator(g.num_pages, g.group_pages)
         n_csa = len(g.csa_layers)
         self.host: HostPool | None = None
@@ -185,7 +185,7 @@ class TieredStore(KVStore):
         self.hot_stamp: list[torch.Tensor] = []
         if g.offload and n_csa:
             pin = dev.pin_host_memory and self.device.type == "cuda"
-            self.host = HostPool(n_csa, g.num_host_blocks + 1, g.e4, g.d, dtype, pin=pin)  # + the scratch block
+            self.host = HostPool(n_csa, g.num_host_blocks + 1, g.e4, g.md, g.arena_dtype, pin=pin)  # + the scratch block
             self.host.kv[:, g.num_host_blocks * g.e4 :] = 0
             self.host_scratch_row = g.num_host_blocks * g.e4
             self.host_alloc = BlockAllocator(g.num_host_blocks)
@@ -211,14 +211,19 @@ class TieredStore(KVStore):
         """The arena as rows of `width` elements."""
         return self.arena.view(-1, width)
 
+    def put_at(self, starts: torch.Tensor, values: torch.Tensor) -> None:
+        """Arena elements starts[i] .. starts[i] + width <- values[i] (values [n, width], already arena-typed)."""
+        idx = starts[:, None] + torch.arange(values.shape[-1], device=starts.device)
+        self.arena[idx] = values.to(self.device)
+
     def hot_view(self, j: int) -> torch.Tensor:
-        """[groups + 1, hot_slots, dim] view of CSA layer j's hot buffers, indexed by state group (scratch last)."""
+        """[groups + 1, hot_slots, row] view of CSA layer j's hot buffers, indexed by state group (scratch last)."""
         g = self.geo
         f = g.state_fields["hot"]
         group_elems = g.group_pages * g.page_elems
         per_group = self.arena[: (g.num_groups + 1) * group_elems].view(g.num_groups + 1, group_elems)
-        start = f.offset + j * g.hot_slots * g.d
-        return per_group[:, start : start + g.hot_slots * g.d].view(g.num_groups + 1, g.hot_slots, g.d)
+        start = f.offset + j * g.hot_slots * g.md
+        return per_group[:, start : start + g.hot_slots * g.md].view(g.num_groups + 1, g.hot_slots, g.md)
 
     def group_base(self, group):
         return group * self.geo.group_pages * self.geo.page_elems
@@ -294,12 +299,21 @@ class TieredStore(KVStore):
                     "host_blocks_free": self.host_alloc.num_free if self.host_alloc else 0,
                     "host_blocks_total": self.host_alloc.num_blocks if self.host_alloc else 0}
 
+    def _check_rows(self, layout: KVLayout) -> None:
+        """A layout's KV rows must be stored as this store stores them (same KV format and dtype)."""
+        g = self.geo
+        w = layout.layers[0].window
+        if w.shape[-1] != g.md or w.dtype != g.arena_dtype:
+            raise ValueError(f"the layout's KV rows are [{w.shape[-1]}] {w.dtype}, this store keeps "
+                             f"[{g.md}] {g.arena_dtype} rows (kv format {g.codec.format}): the formats differ")
+
     def _write_layout(self, r: Resident, layout: KVLayout) -> None:
         g, dev = self.geo, self.device
+        self._check_rows(layout)
         gb = self.group_base(r.group)
         sf = g.state_fields
-        swa = torch.stack([lk.window for lk in layout.layers]).to(dev, self.arena.dtype)  # [layers, window, d]
-        self.rows(g.d)[sf["swa"].row(gb, torch.arange(g.cfg.num_layers * g.window, device=dev))] = swa.flatten(0, 1)
+        swa = torch.stack([lk.window for lk in layout.layers]).to(dev, self.arena.dtype)  # [layers, window, row]
+        self.rows(g.md)[sf["swa"].row(gb, torch.arange(g.cfg.num_layers * g.window, device=dev))] = swa.flatten(0, 1)
         for layer, lk in enumerate(layout.layers):
             comps = [(MAIN, lk.compressor), (INDEX, lk.index_compressor)]
             for name, st in comps:
@@ -310,17 +324,17 @@ class TieredStore(KVStore):
                     if t is None:
                         continue
                     f = sf[f"{layer}.{name}.{part}"]
-                    self.rows(f.width)[f.row(gb, torch.arange(f.shape[0], device=dev))] = t.to(dev, self.arena.dtype)
+                    self.put_at(f.start(gb, torch.arange(f.shape[0], device=dev)), g.state_to_arena(t.to(dev)))
             if lk.kind == "csa":
                 j = g.csa_index[layer]
                 n = lk.num_entries
                 e = torch.arange(n, device=dev)
                 page = r.blocks_t[e // g.e4]
                 f = g.block_fields["index_keys"]
-                self.rows(g.di)[f.row(self.page_base(page), j * g.e4 + e % g.e4)] = lk.index_keys.to(dev, self.arena.dtype)
+                self.put_at(f.start(self.page_base(page), j * g.e4 + e % g.e4), lk.index_keys.to(dev, self.arena.dtype))
                 if not g.offload:
                     f = g.block_fields["c4"]
-                    self.rows(g.d)[f.row(self.page_base(page), j * g.e4 + e % g.e4)] = lk.entries.to(dev, self.arena.dtype)
+                    self.rows(g.md)[f.row(self.page_base(page), j * g.e4 + e % g.e4)] = lk.entries.to(dev, self.arena.dtype)
                 else:
                     self._admit_c4(r, j, lk.entries)
             elif lk.kind == "hca":
@@ -328,7 +342,7 @@ class TieredStore(KVStore):
                 e = torch.arange(lk.num_entries, device=dev)
                 f = g.block_fields["hca"]
                 page = r.blocks_t[e // g.eh]
-                self.rows(g.d)[f.row(self.page_base(page), j * g.eh + e % g.eh)] = lk.entries.to(dev, self.arena.dtype)
+                self.rows(g.md)[f.row(self.page_base(page), j * g.eh + e % g.eh)] = lk.entries.to(dev, self.arena.dtype)
 
     def _admit_c4(self, r: Resident, j: int, entries: torch.Tensor) -> None:
         """Tier on: C4 entries go to the host pool; the newest `reserved` also to the ring of the hot buffer."""
@@ -347,7 +361,7 @@ class TieredStore(KVStore):
             self.hot_view(j)[r.group, slots] = entries[newest.cpu()].to(self.device, self.arena.dtype)
             self.entry_map[j][rows] = slots.to(torch.int32)
             self.hot_entry_row[j][r.group, slots] = rows
-            self.bytes_h2d_admit += newest.numel() * g.d * g.elem
+            self.bytes_h2d_admit += newest.numel() * g.main_bytes
 
     def free(self, request_id: str) -> None:
         with self._alloc_lock:
@@ -390,7 +404,7 @@ class TieredStore(KVStore):
         c = torch.cat((self.counters.sum(dim=0), self.host_writes.sum()[None])).tolist()  # the one host sync, when asked
         g = self.geo
         return {"hits": c[HITS], "misses": c[MISSES], "evictions": c[EVICTIONS],
-                "bytes_h2d": c[MISSES] * g.d * g.elem + self.bytes_h2d_admit, "bytes_d2h": c[3] * g.d * g.elem}
+                "bytes_h2d": c[MISSES] * g.main_bytes + self.bytes_h2d_admit, "bytes_d2h": c[3] * g.main_bytes}
 
     def stats(self) -> dict:
         g = self.geo

@@ -99,6 +99,15 @@ class TieredBatch(DecodeKV):
     def _take(self, width: int, rows: torch.Tensor) -> torch.Tensor:
         return self.s.arena.view(-1, width)[rows]
 
+    def _put_at(self, starts: torch.Tensor, values: torch.Tensor) -> None:
+        """Arena elements starts[...] .. + width <- values [..., width] (arena-typed); one scatter."""
+        arena = self.s.arena
+        idx = starts[..., None] + torch.arange(values.shape[-1], device=starts.device)
+        arena.index_put_((idx,), values.to(arena.dtype))
+
+    def _take_at(self, width: int, starts: torch.Tensor) -> torch.Tensor:
+        return self.s.arena[starts[..., None] + torch.arange(width, device=starts.device)]
+
     def begin_step(self) -> None:
         super().begin_step()
         self.gbase = self.groups * self._group_elems  # [rows] element offset of each row's state group
@@ -112,33 +121,33 @@ class TieredBatch(DecodeKV):
         g = self.g
         f = g.state_fields["swa"]
         base = f.row(self.gbase, layer * g.window)  # [rows]
-        self._put(g.d, base + self.positions % g.window, key)
+        self._put(g.md, base + self.positions % g.window, key)
         ring = base[:, None] + torch.arange(g.window, device=key.device)  # [rows, window]
-        return Segment(self.s.arena.view(-1, g.d), torch.where(self.live, ring, -1))
+        return Segment(self.s.arena.view(-1, g.md), torch.where(self.live, ring, -1))
 
-    def _state_rows(self, layer, name, part, gbase) -> torch.Tensor:
+    def _state_starts(self, layer, name, part, gbase) -> torch.Tensor:
         f = self.g.state_fields[f"{layer}.{name}.{part}"]
-        return f.row(gbase, 0)[:, None] + torch.arange(f.shape[0], device=gbase.device)  # [rows, field rows]
+        return f.start(gbase[:, None], torch.arange(f.shape[0], device=gbase.device))  # [rows, field rows]
+
+    def _take_state(self, layer, name, part) -> torch.Tensor:
+        f = self.g.state_fields[f"{layer}.{name}.{part}"]
+        return self.g.state_from_arena(self._take_at(f.width, self._state_starts(layer, name, part, self.gbase)))
 
     def write_tail(self, layer, name, kv, score) -> None:
         for part, t in (("kv", kv), ("score", score)):
             f = self.g.state_fields[f"{layer}.{name}.{part}"]
-            self._put(f.width, f.row(self.gbase, self.positions % f.shape[0]), t)
+            self._put_at(f.start(self.gbase, self.positions % f.shape[0]), self.g.state_to_arena(t))
 
     def tail_windows(self, layer, name):
-        g = self.g
-        return tuple(self._take(g.state_fields[f"{layer}.{name}.{p}"].width, self._state_rows(layer, name, p, self.gbase))
-                     for p in ("kv", "score"))
+        return tuple(self._take_state(layer, name, p) for p in ("kv", "score"))
 
     def overlap(self, layer, name):
-        g = self.g
-        return tuple(self._take(g.state_fields[f"{layer}.{name}.{p}"].width, self._state_rows(layer, name, p, self.gbase))
-                     for p in ("prev_kv", "prev_score"))
+        return tuple(self._take_state(layer, name, p) for p in ("prev_kv", "prev_score"))
 
     def set_overlap(self, layer, name, emit, kv, score) -> None:
         gbase = torch.where(emit, self.gbase, self._scratch_gbase)
         for part, t in (("prev_kv", kv), ("prev_score", score)):
-            self._put(self.g.state_fields[f"{layer}.{name}.{part}"].width, self._state_rows(layer, name, part, gbase), t)
+            self._put_at(self._state_starts(layer, name, part, gbase), self.g.state_to_arena(t))
 
     # classical entries ---------------------------------------------------------------------------
 
@@ -148,13 +157,16 @@ class TieredBatch(DecodeKV):
         return self.blocks.gather(1, idx[:, None]).squeeze(1) if e.dim() == 1 else self.blocks.gather(1, idx)
 
     def _entry_rows(self, kind: str, j: int, e: torch.Tensor, emit: torch.Tensor | None = None) -> torch.Tensor:
-        """Arena rows of entries e (>= 0) of each batch row, for a block field; rows not in `emit` go to scratch."""
+        """Arena rows of entries e (>= 0) of each batch row, for a block field; rows not in `emit` go to scratch.
+        Indexer keys are addressed by element offset instead (their field need not be row-aligned)."""
         g = self.g
         f = g.block_fields[kind]
         per = g.eh if kind == "hca" else g.e4
         page = self._pages(e, per)
         if emit is not None:
             page = torch.where(emit, page, g.scratch_page)
+        if kind == "index_keys":
+            return f.start(page * g.page_elems, j * per + e % per)
         return f.row(page * g.page_elems, j * per + e % per)
 
     def _map_rows(self, e: torch.Tensor) -> torch.Tensor:
@@ -168,11 +180,11 @@ class TieredBatch(DecodeKV):
         rate = cfg.hca_rate if kind == HCA_ENTRIES else cfg.csa_rate
         e = (entry_counts(self.positions, rate) - 1).clamp(min=0)  # [rows]
         if kind == INDEX_KEYS:
-            self._put(g.di, self._entry_rows("index_keys", g.csa_index[layer], e, emit), entries)
+            self._put_at(self._entry_rows("index_keys", g.csa_index[layer], e, emit), entries)
         elif kind == HCA_ENTRIES:
-            self._put(g.d, self._entry_rows("hca", g.hca_index[layer], e, emit), entries)
+            self._put(g.md, self._entry_rows("hca", g.hca_index[layer], e, emit), entries)
         elif not g.offload:
-            self._put(g.d, self._entry_rows("c4", g.csa_index[layer], e, emit), entries)
+            self._put(g.md, self._entry_rows("c4", g.csa_index[layer], e, emit), entries)
         else:
             self._append_c4_tiered(g.csa_index[layer], emit, e, entries)
 
@@ -192,7 +204,7 @@ class TieredBatch(DecodeKV):
                              torch.full_like(e, -1, dtype=entry_map.dtype))
         slot = g.lru + e % g.reserved  # [rows]
         hot = g.state_fields["hot"]
-        self._put(g.d, hot.row(torch.where(emit, self.gbase, self._scratch_gbase), j * g.hot_slots) + slot, entries)
+        self._put(g.md, hot.row(torch.where(emit, self.gbase, self._scratch_gbase), j * g.hot_slots) + slot, entries)
         new_rows = self._map_rows(e)
         entry_map.index_put_((torch.where(emit, new_rows, dump),), slot.to(entry_map.dtype))
         s.hot_entry_row[j].index_put_((torch.where(emit, self.groups, g.scratch_group), slot), new_rows)
@@ -206,11 +218,11 @@ class TieredBatch(DecodeKV):
 
     def hca_segment(self, layer) -> Segment:
         rows, _ = self._all_rows("hca", self.g.hca_index[layer], self.s.cfg.hca_rate)
-        return Segment(self.s.arena.view(-1, self.g.d), rows)
+        return Segment(self.s.arena.view(-1, self.g.md), rows)
 
     def index_keys(self, layer):
-        rows, counts = self._all_rows("index_keys", self.g.csa_index[layer], self.s.cfg.csa_rate)
-        keys = self._take(self.g.di, rows.clamp(min=0)).masked_fill((rows < 0)[..., None], 0.0)
+        starts, counts = self._all_rows("index_keys", self.g.csa_index[layer], self.s.cfg.csa_rate)
+        keys = self._take_at(self.g.iw, starts.clamp(min=0)).masked_fill((starts < 0)[..., None], 0)
         return keys, counts
 
     def c4_segment(self, layer, ids) -> Segment:
@@ -218,7 +230,7 @@ class TieredBatch(DecodeKV):
         j = g.csa_index[layer]
         valid = ids >= 0
         safe = torch.where(valid, ids, 0)  # [rows, k]
-        pool = s.arena.view(-1, g.d)
+        pool = s.arena.view(-1, g.md)
         if not g.offload:
             return Segment(pool, torch.where(valid, self._entry_rows("c4", j, safe), -1))
         hot_rows = g.state_fields["hot"].row(self.gbase, j * g.hot_slots)  # [rows], slot 0 of each hot buffer

@@ -52,6 +52,10 @@ def _add_weights(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=["packed", "dequantize"], default="packed",
                    help="quantized checkpoints: keep FP8/FP4 weights packed and compute on them (default), or "
                         "dequantize them at load")
+    p.add_argument("--kv-format", choices=["auto", "bf16", "v4"], default="auto",
+                   help="KV storage: v4 = FP8 rows (UE8M0 scale per 64 channels, bf16 RoPE) and Hadamard-rotated "
+                        "MXFP4 indexer keys, stored and moved packed; bf16 = the compute dtype; auto (default): what "
+                        "the checkpoint was trained for (v4 for DeepSeek-V4 checkpoints, bf16 for the built-in model)")
 
 
 def _add_tier(p: argparse.ArgumentParser) -> None:
@@ -139,6 +143,7 @@ def serve_config(args: argparse.Namespace):
     return ServeConfig(
         model=args.model,
         weights=args.weights,
+        kv_format=args.kv_format,
         tier=tier_config(args),
         step=step_config(args),
         prefill=PrefillConfig(max_batch_tokens=args.max_batch_tokens, entry_tile=args.entry_tile,
@@ -305,7 +310,7 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"hisparse generate: {e}", file=sys.stderr)
         return 2
     model_dir = resolve_model_dir(args.model)
-    model = load_model(model_dir, weights=args.weights)
+    model = load_model(model_dir, weights=args.weights, kv_format=args.kv_format)
     tok = load_tokenizer(model_dir)
     if args.prompt is not None:
         if tok is None:

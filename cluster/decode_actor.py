@@ -37,12 +37,12 @@ class DecodeActor:
     def __init__(self, model_spec: str, tier: TierConfig, name: str, num_threads: int = 1,
                  eos_ids: tuple[int, ...] | None = None, deadlines: DeadlineConfig | None = None,
                  faults: FaultConfig | None = None, stub: StubConfig | None = None, weights: str = "packed",
-                 step: StepConfig | None = None) -> None:
+                 step: StepConfig | None = None, kv_format: str = "auto") -> None:
         from cachetier.store import TieredStore
         from cluster.prefill_actor import load_model_for_actor
         from decode.worker import DecodeWorker
 
-        model = load_model_for_actor(model_spec, num_threads, stub, weights)
+        model = load_model_for_actor(model_spec, num_threads, stub, weights, kv_format)
         self.name = name
         self.deadlines = deadlines or DeadlineConfig()
         self.store = TieredStore(model.cfg, tier, dtype=model.dtype, device=model.device)

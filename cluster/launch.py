@@ -97,11 +97,13 @@ def create_actors(model: str, cfg: ServeConfig, eos_ids: tuple[int, ...], prefix
     for name in pnames:
         threads = max(1, int(cluster.prefill_num_cpus))
         out.prefill.append(pcls.options(**_options(ROLE_PREFILL, cluster, name)).remote(
-            model, cfg.prefill, name, threads, eos_ids, cfg.deadlines, cluster.transport, cfg.faults, cfg.stub, cfg.weights))
+            model, cfg.prefill, name, threads, eos_ids, cfg.deadlines, cluster.transport, cfg.faults, cfg.stub, cfg.weights,
+            kv_format=cfg.kv_format))
     for name in dnames:
         threads = max(1, int(cluster.decode_num_cpus))
         out.decode.append(dcls.options(**_options(ROLE_DECODE, cluster, name)).remote(
-            model, cfg.tier, name, threads, eos_ids, cfg.deadlines, cfg.faults, cfg.stub, cfg.weights, cfg.step))
+            model, cfg.tier, name, threads, eos_ids, cfg.deadlines, cfg.faults, cfg.stub, cfg.weights, cfg.step,
+            kv_format=cfg.kv_format))
     _wait_ready(out, cluster, timeout_s)
     if cluster.transport in COLLECTIVE_TRANSPORTS:
         from ray.experimental.collective import create_collective_group

@@ -28,14 +28,15 @@ log = logging.getLogger(__name__)
 ACTOR_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
-def load_model_for_actor(model_spec: str, num_threads: int, stub: StubConfig | None = None, weights: str = "packed"):
+def load_model_for_actor(model_spec: str, num_threads: int, stub: StubConfig | None = None, weights: str = "packed",
+                         kv_format: str = "auto"):
     import torch
 
     from model.builtin import resolve_model_dir
     from model.loader import load_model
 
     torch.set_num_threads(max(1, num_threads))
-    model = load_model(resolve_model_dir(model_spec), weights=weights)
+    model = load_model(resolve_model_dir(model_spec), weights=weights, kv_format=kv_format)
     if stub is not None:
         from model.stub import StubModel
 
@@ -47,12 +48,12 @@ class PrefillActor:
     def __init__(self, model_spec: str, config: PrefillConfig, name: str, num_threads: int = 1,
                  eos_ids: tuple[int, ...] | None = None, deadlines: DeadlineConfig | None = None,
                  transport: str = "object_store", faults: FaultConfig | None = None, stub: StubConfig | None = None,
-                 weights: str = "packed") -> None:
+                 weights: str = "packed", kv_format: str = "auto") -> None:
         import dataclasses
 
         from prefill.worker import PrefillWorker
 
-        model = load_model_for_actor(model_spec, num_threads, stub, weights)
+        model = load_model_for_actor(model_spec, num_threads, stub, weights, kv_format)
         pc = config.prefix_cache
         if pc.disk_enabled:  # one directory per actor: two actors never write the same files
             config = dataclasses.replace(config, prefix_cache=dataclasses.replace(

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from core.kv_format import check_format
+
 SLIDING = "sliding"
 CSA = "csa"
 HCA = "hca"
@@ -114,6 +116,10 @@ class ModelConfig:
     """Whether the output head shares the embedding matrix."""
     name: str = "deepseek-v4"
     """Name the model is served under."""
+    kv_format: str = "bf16"
+    """How KV rows (SWA keys, C4/HCA entries, indexer keys) are rounded and stored (`core.kv_format`):
+    `bf16` (the compute dtype, no rounding), `v4` (V4's FP8 rows and MXFP4 indexer keys, stored packed)
+    or `v4-dense` (the same roundings, rows kept in the compute dtype: the reference numerics)."""
     extra: dict = field(default_factory=dict, compare=False, hash=False)
     """Fields of the source config this project does not use (kept for round trips)."""
 
@@ -130,6 +136,7 @@ class ModelConfig:
             raise ValueError(f"rope_head_dim {self.rope_head_dim} must be even and at most head_dim")
         if (self.num_heads * self.head_dim) % self.o_groups:
             raise ValueError("num_heads * head_dim must divide into o_groups")
+        check_format(self.kv_format)
 
     @property
     def num_layers(self) -> int:

@@ -286,6 +286,9 @@ class ServeConfig:
     weights: str = "packed"
     """`packed`: FP8 linears and FP4 experts of a quantized checkpoint stay packed and are computed on;
     `dequantize`: expanded at load (the reference path). Unquantized checkpoints load the same either way."""
+    kv_format: str = "auto"
+    """How KV rows are stored (`core.kv_format`): `bf16`, `v4` (FP8 rows + MXFP4 indexer keys, packed) or
+    `auto` (what the checkpoint was trained for: `v4` for DeepSeek-V4 checkpoints, `bf16` for the built-in model)."""
     tier: TierConfig = field(default_factory=TierConfig)
     step: StepConfig = field(default_factory=StepConfig)
     """How decode workers run their step: eager, or bucketed and compiled / captured."""

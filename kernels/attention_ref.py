@@ -6,6 +6,8 @@ Keys and values are the same vectors (V4 shares one KV head).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -17,21 +19,28 @@ def softmax_with_sink(logits: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor
     return torch.softmax(combined, dim=-1)[..., :-1]
 
 
-def gather_rows(segments: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate `pool[rows]` of every segment: ([batch, len, dim] values, [batch, len] validity)."""
+Unpack = Callable[[torch.Tensor], torch.Tensor] | None
+"""Reads stored rows [..., row width] back as vectors [..., dim] (packed KV formats); None: rows are vectors."""
+
+
+def gather_rows(segments: list[tuple[torch.Tensor, torch.Tensor]], unpack: Unpack = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate `pool[rows]` of every segment, read through `unpack`: ([batch, len, dim] values, [batch, len] validity)."""
     values, valid = [], []
     for pool, rows in segments:
         ok = rows >= 0
-        values.append(pool[rows.clamp(min=0)])
+        got = pool[rows.clamp(min=0)]
+        values.append(got if unpack is None else unpack(got))
         valid.append(ok)
     return torch.cat(values, dim=1), torch.cat(valid, dim=1)
 
 
 def sparse_attention_ref(
-    q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor, scale: float
+    q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor, scale: float,
+    unpack: Unpack = None,
 ) -> torch.Tensor:
-    """One query per batch row: q [batch, heads, dim] over the rows named by `segments` -> [batch, heads, dim]."""
-    kv, valid = gather_rows(segments)  # [batch, len, dim], [batch, len]
+    """One query per batch row: q [batch, heads, dim] over the rows named by `segments` -> [batch, heads, dim].
+    Packed rows are dequantized as they are gathered (`unpack`)."""
+    kv, valid = gather_rows(segments, unpack)  # [batch, len, dim], [batch, len]
     logits = torch.einsum("bhd,bld->bhl", q, kv.to(q.dtype)) * scale
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     probs = softmax_with_sink(logits, sinks)

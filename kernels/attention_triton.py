@@ -10,6 +10,10 @@ reference).
 
 Products are taken in fp32 with `input_precision="ieee"`: TF32 would cost about three decimal
 digits against the reference, and decode attention is bound by the row gather, not the math.
+
+Packed v4 rows (`kernels.kv_format`: e4m3 nope bytes, bf16 rope, UE8M0 scales per 64) are read as
+bytes and dequantized as they are loaded (`PACKED_NOPE` > 0): e4m3 and bf16 are decoded with integer
+operations, which are exact, so the kernel sees the values the torch reference's `unpack` gives.
 """
 
 from __future__ import annotations
@@ -19,6 +23,28 @@ import triton
 import triton.language as tl
 
 MAX_SEGMENTS = 3
+
+
+@triton.jit
+def _load_packed(pool_ptr, rows, ok, row_bytes, offs_d, in_d, NOPE: tl.constexpr, SCALE_OFF: tl.constexpr):
+    """Rows [BLOCK_L] of packed v4 bytes -> fp32 values [BLOCK_L, BLOCK_D] (0 where masked)."""
+    base = pool_ptr + rows[:, None].to(tl.int64) * row_bytes  # [BLOCK_L, 1]
+    live = ok[:, None] & in_d[None, :]
+    is_nope = (offs_d < NOPE)[None, :]
+    byte = tl.load(base + offs_d[None, :], mask=live & is_nope, other=0).to(tl.int32)
+    e = (byte >> 3) & 15
+    man = (byte & 7).to(tl.float32)
+    # e4m3: (1 + m/8) * 2**(e - 7) = (8 + m) * 2**(e - 10); subnormal (e = 0): m * 2**-9
+    mag = tl.where(e == 0, man * 0.001953125, (8.0 + man) * tl.exp2((e - 10).to(tl.float32)))
+    val = tl.where((byte & 0x80) != 0, -mag, mag)
+    sbyte = tl.load(base + SCALE_OFF + offs_d[None, :] // 64, mask=live & is_nope, other=127).to(tl.float32)
+    nope = val * tl.exp2(sbyte - 127.0)
+    r = tl.where(offs_d >= NOPE, offs_d - NOPE, 0)  # rope channel index
+    rmask = live & ~is_nope
+    lo = tl.load(base + NOPE + 2 * r[None, :], mask=rmask, other=0).to(tl.int32)
+    hi = tl.load(base + NOPE + 2 * r[None, :] + 1, mask=rmask, other=0).to(tl.int32)
+    rope = ((hi << 24) | (lo << 16)).to(tl.float32, bitcast=True)  # bf16 bits in the top half of an fp32
+    return tl.where(is_nope, nope, rope)
 
 
 @triton.jit
@@ -39,6 +65,8 @@ def _attend_segment(
     in_d,
     scale,
     BLOCK_L: tl.constexpr,
+    PACKED_NOPE: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
 ):
     """Fold `pool[rows[b, :seg_len]]` into the running (max, denominator, numerator) of every head."""
     offs_l = tl.arange(0, BLOCK_L)
@@ -46,11 +74,14 @@ def _attend_segment(
         in_l = start + offs_l < seg_len
         rows = tl.load(rows_ptr + b * rows_stride_b + (start + offs_l) * rows_stride_j, mask=in_l, other=-1)  # [BLOCK_L]
         ok = rows >= 0
-        kv = tl.load(
-            pool_ptr + rows[:, None] * pool_stride_row + offs_d[None, :] * pool_stride_d,
-            mask=ok[:, None] & in_d[None, :],
-            other=0.0,
-        ).to(tl.float32)  # [BLOCK_L, BLOCK_D]
+        if PACKED_NOPE > 0:
+            kv = _load_packed(pool_ptr, rows, ok, pool_stride_row, offs_d, in_d, PACKED_NOPE, SCALE_OFF)
+        else:
+            kv = tl.load(
+                pool_ptr + rows[:, None] * pool_stride_row + offs_d[None, :] * pool_stride_d,
+                mask=ok[:, None] & in_d[None, :],
+                other=0.0,
+            ).to(tl.float32)  # [BLOCK_L, BLOCK_D]
         s = tl.dot(q, tl.trans(kv), input_precision="ieee") * scale  # [BLOCK_H, BLOCK_L]
         s = tl.where(ok[None, :], s, float("-inf"))
         # m starts at the sink logit, so it is finite and a fully masked block gives p == 0, not NaN.
@@ -101,6 +132,8 @@ def _sparse_attention_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr,
+    PACKED_NOPE: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -133,6 +166,8 @@ def _sparse_attention_kernel(
         in_d,
         scale,
         BLOCK_L,
+        PACKED_NOPE,
+        SCALE_OFF,
     )
     m, denom, acc = _attend_segment(
         q,
@@ -151,6 +186,8 @@ def _sparse_attention_kernel(
         in_d,
         scale,
         BLOCK_L,
+        PACKED_NOPE,
+        SCALE_OFF,
     )
     m, denom, acc = _attend_segment(
         q,
@@ -169,6 +206,8 @@ def _sparse_attention_kernel(
         in_d,
         scale,
         BLOCK_L,
+        PACKED_NOPE,
+        SCALE_OFF,
     )
 
     out = acc / denom[:, None]  # [BLOCK_H, BLOCK_D]
@@ -180,14 +219,20 @@ def _sparse_attention_kernel(
 
 
 def sparse_attention_triton(
-    q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor, scale: float
+    q: torch.Tensor, segments: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor, scale: float,
+    packed=None,
 ) -> torch.Tensor:
-    """Triton twin of `sparse_attention_ref`: q [batch, heads, dim] over `pool[rows]` of each segment -> [batch, heads, dim]."""
+    """Triton twin of `sparse_attention_ref`: q [batch, heads, dim] over `pool[rows]` of each segment -> [batch, heads, dim].
+
+    `packed` (a `kernels.kv_format.MainRowReader`): the pools are uint8 v4 main rows, dequantized on load."""
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise ValueError(f"expected 1..{MAX_SEGMENTS} segments, got {len(segments)}")
     batch, heads, dim = q.shape
+    if packed is not None and packed.head_dim != dim:
+        raise ValueError(f"packed rows of {packed.head_dim} channels do not fit q {tuple(q.shape)}")
     for pool, rows in segments:
-        if pool.dim() != 2 or pool.shape[1] != dim or rows.dim() != 2 or rows.shape[0] != batch:
+        ok_pool = (pool.dtype == torch.uint8 and pool.stride(1) == 1) if packed is not None else pool.shape[1] == dim
+        if pool.dim() != 2 or not ok_pool or rows.dim() != 2 or rows.shape[0] != batch:
             raise ValueError(f"segment pool {tuple(pool.shape)} / rows {tuple(rows.shape)} do not fit q {tuple(q.shape)}")
     out = torch.empty_like(q)  # [batch, heads, dim]
     if batch == 0 or heads == 0:
@@ -217,6 +262,8 @@ def sparse_attention_triton(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         BLOCK_L=block_l,
+        PACKED_NOPE=packed.nope if packed is not None else 0,
+        SCALE_OFF=packed.scale_offset if packed is not None else 0,
         num_warps=4 if block_d <= 128 else 8,
     )
     return out

@@ -52,7 +52,13 @@ def float_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
     return (exponent - 1 + 127).to(torch.uint8)
 
 
-def _pow2_at_least(ratio: torch.Tensor) -> torch.Tensor:
+def pow2_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
+    """Scales known to be powers of two in the UE8M0 range -> UE8M0 bytes (`uint8`), without checking
+    (no host sync: usable inside a compiled step). `float_to_e8m0` is the checked form."""
+    return (torch.log2(scale.float()).round() + 127).to(torch.uint8)
+
+
+def pow2_at_least(ratio: torch.Tensor) -> torch.Tensor:
     """The smallest power of two >= ratio (1 where ratio is 0), clamped to the UE8M0 range."""
     exp = torch.ceil(torch.log2(ratio.clamp(min=2.0**-127))).clamp(-127, 127)
     return torch.where(ratio > 0, torch.exp2(exp), torch.ones_like(ratio))
@@ -93,7 +99,7 @@ def quantize_fp8(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Te
     """
     out, inn = weight.shape
     tiles = _block_view(weight.float(), block, block)  # [rt, block, ct, block]
-    scale = _pow2_at_least(tiles.abs().amax(dim=(1, 3)) / FP8_MAX)  # [rt, ct]
+    scale = pow2_at_least(tiles.abs().amax(dim=(1, 3)) / FP8_MAX)  # [rt, ct]
     q = (tiles / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:out, :inn]
     return q.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
@@ -117,10 +123,10 @@ def quantize_fp4(weight: torch.Tensor, block: int = FP4_BLOCK) -> tuple[torch.Te
     if inn % 2:
         raise ValueError(f"FP4 packs two values per byte along the input axis; {inn} inputs is odd")
     w = torch.nn.functional.pad(weight.float(), (0, -inn % block)).unflatten(-1, (-1, block))  # [..., out, groups, block]
-    scale = _pow2_at_least(w.abs().amax(dim=-1) / FP4_MAX)  # [..., out, groups]
+    scale = pow2_at_least(w.abs().amax(dim=-1) / FP4_MAX)  # [..., out, groups]
     codes = encode_e2m1(w / scale[..., None]).flatten(-2)[..., :inn]
     packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8).view(torch.int8)
-    return packed, float_to_e8m0(scale)
+    return packed, pow2_to_e8m0(scale)
 
 
 def quantize_act_fp8(x: torch.Tensor, group: int = FP8_BLOCK, pow2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,6 +138,6 @@ def quantize_act_fp8(x: torch.Tensor, group: int = FP8_BLOCK, pow2: bool = False
     tokens, k = x.shape
     g = torch.nn.functional.pad(x.float(), (0, -k % group)).unflatten(-1, (-1, group))  # [tokens, groups, group]
     ratio = g.abs().amax(dim=-1) / FP8_MAX
-    scale = _pow2_at_least(ratio) if pow2 else torch.where(ratio > 0, ratio, torch.ones_like(ratio))
+    scale = pow2_at_least(ratio) if pow2 else torch.where(ratio > 0, ratio, torch.ones_like(ratio))
     q = (g / scale[..., None]).flatten(-2)[:, :k].clamp(-FP8_MAX, FP8_MAX)
     return q.to(torch.float8_e4m3fn), scale

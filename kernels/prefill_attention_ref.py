@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.attention_ref import Unpack
+
 Prefix = tuple[torch.Tensor, torch.Tensor]
 """(pool [n, dim], counts [queries]): query i sees pool rows 0..counts[i]-1."""
 
@@ -28,6 +30,7 @@ def prefill_attention_ref(
     sinks: torch.Tensor,
     scale: float,
     tile: int = 512,
+    unpack: Unpack = None,
 ) -> torch.Tensor:
     """q [queries, heads, dim] over its rows of each (pool, rows [queries, len]) segment (-1 = none)
     and its prefix of `prefix`, in one softmax with the per-head sink -> [queries, heads, dim]."""
@@ -35,11 +38,13 @@ def prefill_attention_ref(
     for a in range(0, q.shape[0], QUERY_BLOCK):
         b = min(a + QUERY_BLOCK, q.shape[0])
         block_prefix = None if prefix is None else (prefix[0], prefix[1][a:b])
-        out[a:b] = _attend(q[a:b], [(pool, rows[a:b]) for pool, rows in segments], block_prefix, sinks, scale, tile)
+        out[a:b] = _attend(q[a:b], [(pool, rows[a:b]) for pool, rows in segments], block_prefix, sinks, scale, tile,
+                             unpack)
     return out
 
 
-def _attend(q, segments, prefix, sinks, scale, tile) -> torch.Tensor:
+def _attend(q, segments, prefix, sinks, scale, tile, unpack=None) -> torch.Tensor:
+    read = (lambda t: t) if unpack is None else unpack
     n_q, heads, dim = q.shape
     qf = q.float()
     # The running softmax state starts at the sink: max = sink, denominator = exp(sink - max) = 1.
@@ -49,7 +54,7 @@ def _attend(q, segments, prefix, sinks, scale, tile) -> torch.Tensor:
     for pool, rows in segments:
         if rows.shape[1] == 0:
             continue
-        kv = pool.index_select(0, rows.clamp(min=0).flatten()).view(n_q, rows.shape[1], dim).float()  # [queries, len, dim]
+        kv = read(pool.index_select(0, rows.clamp(min=0).flatten())).view(n_q, rows.shape[1], dim).float()  # [queries, len, dim]
         logits = torch.bmm(qf, kv.transpose(1, 2)) * scale  # [queries, heads, len]
         logits = logits.masked_fill((rows < 0)[:, None, :], float("-inf"))
         m, denom, acc = _fold(m, denom, acc, logits, lambda p, kv=kv: torch.bmm(p, kv))
@@ -59,7 +64,7 @@ def _attend(q, segments, prefix, sinks, scale, tile) -> torch.Tensor:
         flat = qf.reshape(n_q * heads, dim)
         for t0 in range(0, hi, tile):
             t1 = min(t0 + tile, hi)
-            block = pool[t0:t1].float()  # [t, dim]
+            block = read(pool[t0:t1]).float()  # [t, dim], dequantized per tile
             logits = (flat @ block.T).view(n_q, heads, t1 - t0) * scale  # [queries, heads, t]
             if t1 > lo:  # some queries see only part of this tile
                 ids = torch.arange(t0, t1, device=q.device)

@@ -5,6 +5,7 @@ and a block of heads, walks its gathered segments (sliding window, selected C4 e
 decode kernel's `_attend_segment`, then its prefix of the HCA entries (rows 0..count-1, no row
 list at all) with `_attend_prefix`, all under one online softmax that starts at the sink. Nothing
 of size queries x entries is ever materialised: the prefix is streamed `BLOCK_L` rows at a time.
+Packed v4 rows are dequantized as they are loaded, as in the decode kernel.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_triton import _attend_segment
+from kernels.attention_triton import _attend_segment, _load_packed
 
 MAX_SEGMENTS = 2
 
@@ -32,17 +33,22 @@ def _attend_prefix(
     in_d,
     scale,
     BLOCK_L: tl.constexpr,
+    PACKED_NOPE: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
 ):
     """Fold `pool[0:count]` into the running (max, denominator, numerator) of every head."""
     offs_l = tl.arange(0, BLOCK_L)
     for start in range(0, count, BLOCK_L):
         rows = (start + offs_l).to(tl.int64)
         ok = rows < count
-        kv = tl.load(
-            pool_ptr + rows[:, None] * pool_stride_row + offs_d[None, :] * pool_stride_d,
-            mask=ok[:, None] & in_d[None, :],
-            other=0.0,
-        ).to(tl.float32)  # [BLOCK_L, BLOCK_D]
+        if PACKED_NOPE > 0:
+            kv = _load_packed(pool_ptr, rows, ok, pool_stride_row, offs_d, in_d, PACKED_NOPE, SCALE_OFF)
+        else:
+            kv = tl.load(
+                pool_ptr + rows[:, None] * pool_stride_row + offs_d[None, :] * pool_stride_d,
+                mask=ok[:, None] & in_d[None, :],
+                other=0.0,
+            ).to(tl.float32)  # [BLOCK_L, BLOCK_D]
         s = tl.dot(q, tl.trans(kv), input_precision="ieee") * scale  # [BLOCK_H, BLOCK_L]
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))  # [BLOCK_H]
@@ -90,6 +96,8 @@ def _prefill_attention_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_L: tl.constexpr,
+    PACKED_NOPE: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)  # the query
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -107,16 +115,17 @@ def _prefill_attention_kernel(
 
     m, denom, acc = _attend_segment(
         q, m, denom, acc, pool0_ptr, pool0_stride_row, pool0_stride_d, rows0_ptr, rows0_stride_t, rows0_stride_j, len0,
-        t, offs_d, in_d, scale, BLOCK_L,
+        t, offs_d, in_d, scale, BLOCK_L, PACKED_NOPE, SCALE_OFF,
     )
     m, denom, acc = _attend_segment(
         q, m, denom, acc, pool1_ptr, pool1_stride_row, pool1_stride_d, rows1_ptr, rows1_stride_t, rows1_stride_j, len1,
-        t, offs_d, in_d, scale, BLOCK_L,
+        t, offs_d, in_d, scale, BLOCK_L, PACKED_NOPE, SCALE_OFF,
     )
     if HAS_PREFIX:
         count = tl.load(counts_ptr + t)
         m, denom, acc = _attend_prefix(
-            q, m, denom, acc, prefix_ptr, prefix_stride_row, prefix_stride_d, count, offs_d, in_d, scale, BLOCK_L
+            q, m, denom, acc, prefix_ptr, prefix_stride_row, prefix_stride_d, count, offs_d, in_d, scale, BLOCK_L,
+            PACKED_NOPE, SCALE_OFF,
         )
 
     out = acc / denom[:, None]  # [BLOCK_H, BLOCK_D]
@@ -133,13 +142,23 @@ def prefill_attention_triton(
     prefix: tuple[torch.Tensor, torch.Tensor] | None,
     sinks: torch.Tensor,
     scale: float,
+    packed=None,
 ) -> torch.Tensor:
-    """Triton twin of `prefill_attention_ref` (the tile argument does not apply: rows stream in blocks)."""
+    """Triton twin of `prefill_attention_ref` (the tile argument does not apply: rows stream in blocks).
+    `packed` (a `kernels.kv_format.MainRowReader`): every pool holds uint8 v4 main rows, dequantized on load."""
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise ValueError(f"expected 1..{MAX_SEGMENTS} gathered segments, got {len(segments)}")
     n_q, heads, dim = q.shape
+    if packed is not None and packed.head_dim != dim:
+        raise ValueError(f"packed rows of {packed.head_dim} channels do not fit q {tuple(q.shape)}")
+
+    def fits(pool: torch.Tensor) -> bool:
+        if packed is not None:
+            return pool.dim() == 2 and pool.dtype == torch.uint8 and pool.stride(1) == 1
+        return pool.dim() == 2 and pool.shape[1] == dim
+
     for pool, rows in segments:
-        if pool.dim() != 2 or pool.shape[1] != dim or rows.dim() != 2 or rows.shape[0] != n_q:
+        if not fits(pool) or rows.dim() != 2 or rows.shape[0] != n_q:
             raise ValueError(f"segment pool {tuple(pool.shape)} / rows {tuple(rows.shape)} do not fit q {tuple(q.shape)}")
     out = torch.empty_like(q)  # [queries, heads, dim]
     if n_q == 0 or heads == 0:
@@ -151,7 +170,7 @@ def prefill_attention_triton(
         seg_args += [pool, pool.stride(0), pool.stride(1), rows, rows.stride(0), rows.stride(1), seg_len]
     if prefix is not None:
         pool, counts = prefix
-        if pool.dim() != 2 or pool.shape[1] != dim or counts.shape != (n_q,):
+        if not fits(pool) or counts.shape != (n_q,):
             raise ValueError(f"prefix pool {tuple(pool.shape)} / counts {tuple(counts.shape)} do not fit q {tuple(q.shape)}")
         prefix_args = [pool, pool.stride(0), pool.stride(1), counts.to(device=q.device, dtype=torch.int32)]
     else:
@@ -176,6 +195,8 @@ def prefill_attention_triton(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         BLOCK_L=block_l,
+        PACKED_NOPE=packed.nope if packed is not None else 0,
+        SCALE_OFF=packed.scale_offset if packed is not None else 0,
         num_warps=4 if block_d <= 128 else 8,
     )
     return out

@@ -52,9 +52,10 @@ def compress_segment(
 
 
 def _compress_step(
-    comp: Compressor, store: DecodeKV, layer: int, name: str, kind: str, x: torch.Tensor, rot: Rotary
+    comp: Compressor, store: DecodeKV, layer: int, name: str, kind: str, x: torch.Tensor, rot: Rotary, pack
 ) -> None:
-    """Append this step's token to a compressor's tail; every request whose window completed emits an entry.
+    """Append this step's token to a compressor's tail; every request whose window completed emits an entry,
+    stored as `pack` makes it (quantized once, here, for packed KV formats).
 
     Static shapes: every row pools its tail and the `emit` mask says whose entry counts (the others
     land in scratch), so the step never asks the host which rows emit.
@@ -68,7 +69,7 @@ def _compress_step(
     if comp.overlapped:
         prev_kv, prev_score = store.overlap(layer, name)
     entries = rot.apply(comp.pool(win_kv, win_score, prev_kv, prev_score), pos + 1 - comp.rate)  # [batch, dim]
-    store.append_entries(layer, kind, emit, entries)
+    store.append_entries(layer, kind, emit, pack(entries))
     if comp.overlapped:
         d = comp.dim
         store.set_overlap(layer, name, emit, win_kv[..., :d], win_score[..., :d])
@@ -81,19 +82,21 @@ def decode_layer(attn: Attention, store: DecodeKV, layer: int, x: torch.Tensor, 
     def rotate(t):
         return rot.apply(t, pos)
 
+    codec = attn.codec(x.dtype)
     q, key, latent = attn.project(x, rotate)
-    segments = [store.write_window(layer, key)]
+    segments = [store.write_window(layer, codec.pack_main(key))]
     if attn.kind == HCA:
-        _compress_step(attn.compressor, store, layer, MAIN, HCA_ENTRIES, x, rot)
+        _compress_step(attn.compressor, store, layer, MAIN, HCA_ENTRIES, x, rot, codec.pack_main)
         segments.append(store.hca_segment(layer))
     elif attn.kind == CSA:
         idx = attn.indexer
-        _compress_step(attn.compressor, store, layer, MAIN, C4, x, rot)
-        _compress_step(idx.compressor, store, layer, INDEX, INDEX_KEYS, x, rot)
-        keys, counts = store.index_keys(layer)  # [batch, len, index_dim], [batch]
+        _compress_step(attn.compressor, store, layer, MAIN, C4, x, rot, codec.pack_main)
+        _compress_step(idx.compressor, store, layer, INDEX, INDEX_KEYS, x, rot, codec.pack_index)
+        keys, counts = store.index_keys(layer)  # [batch, len, index row], [batch]
         qi, w = idx.queries(latent, x, rotate)
         visible = torch.arange(keys.shape[1], device=x.device)[None, :] < counts[:, None]
-        ids = select_topk(idx.scores(qi, w, keys), visible, idx.topk)  # [batch, k]
+        scores = idx.scores(codec.index_query(qi), w, codec.unpack_index(keys))
+        ids = select_topk(scores, visible, idx.topk)  # [batch, k]
         segments.append(store.c4_segment(layer, ids))
-    o = sparse_attention(q, [(s.pool, s.rows) for s in segments], attn.attn_sink, attn.scale)
+    o = sparse_attention(q, [(s.pool, s.rows) for s in segments], attn.attn_sink, attn.scale, codec.main_reader)
     return attn.output(o, lambda t: rot.apply(t, pos, inverse=True))

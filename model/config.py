@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from core.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig, YarnScaling
+from core.kv_format import BF16, V4
 
 _HF_LAYER = {
     "sliding_attention": SLIDING,
@@ -153,6 +154,14 @@ def parse_config(raw: dict, name: str = "deepseek-v4") -> ModelConfig:
         if isinstance(e, ConfigError):
             raise
         raise ConfigError(f"config.json has a bad value: {e}") from None
+
+
+def trained_kv_format(cfg: ModelConfig) -> str:
+    """The KV format a checkpoint was trained for: `v4` for DeepSeek-V4 checkpoints (recognised by their
+    FP8 `quantization_config`, which the quantization-aware trained releases carry), `bf16` otherwise
+    (the built-in model and plain test checkpoints)."""
+    q = cfg.extra.get("quantization_config")
+    return V4 if isinstance(q, dict) and str(q.get("quant_method", "")).lower() == "fp8" else BF16
 
 
 def load_config(model_dir: str | Path, name: str | None = None) -> ModelConfig:

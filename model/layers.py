@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.config import CSA, HASH_MOE, HCA, ModelConfig
+from kernels.kv_format import KVCodec
 from model.index_topk import topk_keys
 
 
@@ -308,8 +309,13 @@ class Attention(nn.Module):
         elif self.kind == HCA:
             self.compressor = Compressor(cfg.hidden_size, d, cfg.hca_rate, False, cfg.rms_norm_eps)
         self.num_heads, self.head_dim, self.o_groups = h, d, cfg.o_groups
+        self.kv_format, self.rope_dim, self.index_dim = cfg.kv_format, cfg.rope_head_dim, cfg.index_head_dim
         self.eps = cfg.rms_norm_eps
         self.scale = d**-0.5
+
+    def codec(self, dtype: torch.dtype) -> KVCodec:
+        """How this layer's KV rows are rounded and stored (`ModelConfig.kv_format`), computing in `dtype`."""
+        return KVCodec(self.kv_format, self.head_dim, self.rope_dim, self.index_dim, dtype)
 
     def project(self, x: torch.Tensor, rotate) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [tokens, hidden] -> (q [tokens, heads, dim], key [tokens, dim], query latent [tokens, q_lora])."""

@@ -12,6 +12,7 @@ on them) or are dequantized to the model dtype (`weights="dequantize"`, the refe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -23,8 +24,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from core.config import WEIGHT_MODES, WEIGHTS_DEQUANTIZE, WEIGHTS_PACKED, ModelConfig
+from core.kv_format import AUTO
 from kernels.formats import FP4_BLOCK, FP8_BLOCK, dequant_fp4, dequant_fp8, e8m0_to_float, float_to_e8m0
-from model.config import load_config, to_hf_dict
+from model.config import load_config, to_hf_dict, trained_kv_format
 from model.model import V4Model
 from model.packed import FP4_EXPERTS, FP8, resident_bytes, swap_in_packed
 from model.rope import rotaries
@@ -275,8 +277,12 @@ def load_model(
     device=None,
     name: str | None = None,
     weights: str = WEIGHTS_PACKED,
+    kv_format: str | None = None,
 ) -> V4Model:
     """Build the model from `model_dir/config.json` and load its weights.
+
+    `kv_format` (`core.kv_format`): how KV rows are rounded and stored; None: `bf16`, what the config says;
+    `auto`: what the checkpoint was trained for (`model.config.trained_kv_format`).
 
     `weights`: `packed` (default) keeps the linears the checkpoint stores as FP8 and the routed experts it
     stores as FP4 in those formats, computing on them with `kernels.fp8_linear` / `kernels.fp4_moe`;
@@ -288,6 +294,10 @@ def load_model(
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist")
     cfg = load_config(model_dir, name=name)
+    if kv_format == AUTO:
+        kv_format = trained_kv_format(cfg)
+    if kv_format is not None:
+        cfg = dataclasses.replace(cfg, kv_format=kv_format)
     got, kinds = _to_canonical(read_tensors(model_dir), weights, cfg)
     model = build_empty(cfg, dtype, device, packed=kinds)
     _copy_state(model, got)

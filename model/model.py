@@ -10,6 +10,7 @@ once; attention is per request in prefill and batched through the store in decod
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import torch
@@ -66,6 +67,14 @@ class V4Model(nn.Module):
         for rot in self.rope.values():
             if not rot.inv_freq.is_meta:
                 rot.inv_freq = rot.inv_freq.to(self.embed.weight.device)
+        return self
+
+    def set_kv_format(self, fmt: str) -> V4Model:
+        """Round and store KV rows as `fmt` from now on (`ModelConfig.kv_format`); layouts made before stay
+        in their own format. Returns the model."""
+        self.cfg = dataclasses.replace(self.cfg, kv_format=fmt)
+        for blk in self.layers:
+            blk.attn.kv_format = fmt
         return self
 
     @property

@@ -54,10 +54,12 @@ def prefill_layer(
     def rotate(t):
         return rot.apply(t, pos)
 
+    codec = attn.codec(x.dtype)
     q, key, latent = attn.project(x, rotate)
+    key = codec.pack_main(key)  # stored form (quantized once, here)
     # Window keys: the ring's earlier keys (chronological) followed by this chunk's keys.
     old_pos = torch.arange(max(0, start - window + 1), start, device=x.device)
-    keys = torch.cat((lk.window[old_pos % window], key))  # [old + L, dim]
+    keys = torch.cat((lk.window[old_pos % window], key))  # [old + L, stored row]
     tail = pos[-window:]
     lk.window[tail % window] = key[-window:]
 
@@ -66,18 +68,19 @@ def prefill_layer(
         comp = attn.compressor
         kv, score = comp.project(x, pos)
         new, lk.compressor = compress_segment(comp, lk.compressor, kv, score, start, rot)
-        lk.entries = append_rows(lk.entries, new)
+        lk.entries = append_rows(lk.entries, codec.pack_main(new))
         if attn.kind == CSA:
             idx = attn.indexer
             ikv, iscore = idx.compressor.project(x, pos)
             new_keys, lk.index_compressor = compress_segment(idx.compressor, lk.index_compressor, ikv, iscore, start, rot)
-            lk.index_keys = append_rows(lk.index_keys, new_keys)
+            lk.index_keys = append_rows(lk.index_keys, codec.pack_index(new_keys))
             qi, w = idx.queries(latent, x, rotate)
+            qi = codec.index_query(qi)
 
     if dense:
-        o = _dense(attn, lk, q, keys, torch.cat((old_pos, pos)), pos, window, qi, w)
+        o = _dense(attn, lk, q, codec.unpack_main(keys), torch.cat((old_pos, pos)), pos, window, qi, w, codec)
     else:
-        o = _sparse(attn, lk, q, keys, old_pos.numel(), start, window, qi, w, tile)
+        o = _sparse(attn, lk, q, keys, old_pos.numel(), start, window, qi, w, tile, codec)
     return attn.output(o, lambda t: rot.apply(t, pos, inverse=True))
 
 
@@ -89,7 +92,7 @@ def window_rows(num_queries: int, num_old: int, window: int, device=None) -> tor
     return rows.masked_fill(rows < 0, -1)
 
 
-def _sparse(attn, lk, q, keys, num_old, start, window, qi, w, tile) -> torch.Tensor:
+def _sparse(attn, lk, q, keys, num_old, start, window, qi, w, tile, codec) -> torch.Tensor:
     L = q.shape[0]
     segments = [(keys, window_rows(L, num_old, window, q.device))]
     prefix = None
@@ -103,13 +106,14 @@ def _sparse(attn, lk, q, keys, num_old, start, window, qi, w, tile) -> torch.Ten
             idx, index_keys = attn.indexer, lk.index_keys
 
             def score(rows: slice, t0: int, t1: int) -> torch.Tensor:
-                return idx.scores(qi[rows], w[rows], index_keys[t0:t1])
+                return idx.scores(qi[rows], w[rows], codec.unpack_index(index_keys[t0:t1]))  # dequantized per tile
 
             block = score_block(tile) if q.device.type == "cpu" else None  # a GPU scores a whole tile at once
             ids = tiled_topk(score, counts, idx.topk, tile, q.device, block)  # [L, k]
             if ids.shape[1]:
                 segments.append((lk.entries, ids))
-    return prefill_attention(q, segments, prefix, attn.attn_sink, attn.scale, tile)
+    # stored rows are dequantized as they are read
+    return prefill_attention(q, segments, prefix, attn.attn_sink, attn.scale, tile, codec.main_reader)
 
 
 def score_block(tile: int) -> int:
@@ -138,7 +142,7 @@ def chunk_transient_bytes(cfg: ModelConfig, chunk: int, tile: int, element_bytes
     return chunk * (trunk + index) + attend + scoring
 
 
-def _dense(attn, lk, q, keys, key_pos, pos, window, qi, w) -> torch.Tensor:
+def _dense(attn, lk, q, keys, key_pos, pos, window, qi, w, codec) -> torch.Tensor:
     """The reference: one masked softmax over [window keys | all entries] for every query."""
     visible = window_visible(pos, key_pos, window)  # [L, window keys]
     if attn.compressor is not None:
@@ -148,7 +152,7 @@ def _dense(attn, lk, q, keys, key_pos, pos, window, qi, w) -> torch.Tensor:
             chosen = complete
         else:
             idx = attn.indexer
-            chosen = selection_mask(select_topk(idx.scores(qi, w, lk.index_keys), complete, idx.topk), n)
-        keys = torch.cat((keys, lk.entries))
+            chosen = selection_mask(select_topk(idx.scores(qi, w, codec.unpack_index(lk.index_keys)), complete, idx.topk), n)
+        keys = torch.cat((keys, codec.unpack_main(lk.entries)))
         visible = torch.cat((visible, chosen), dim=1)
     return masked_attention_ref(q, keys, visible, attn.attn_sink, attn.scale)
