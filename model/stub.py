@@ -44,8 +44,11 @@ class StubModel:
 
     def decode_step(self, store: DecodeKV, token_ids) -> torch.Tensor:
         time.sleep(self.stub.decode_step_s)
-        store.finish_step()
+        store.advance()
         return self._logits(len(token_ids))
+
+    def new_layout(self) -> KVLayout:
+        return self.real.new_layout()
 
     def prefill_batch(self, items, last_only: bool = False, full_logits=None, **_):
         time.sleep(self.stub.prefill_s)

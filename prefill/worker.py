@@ -130,6 +130,12 @@ class PrefillWorker:
             self._release(p)
         return p is not None
 
+    def _drop(self, p: _Pending, why: str) -> None:
+        """A failed request leaves the queue, gives back what it holds, and is reported by `take_failures`."""
+        del self.pending[p.req.request_id]
+        self._release(p)
+        self.failures.append(PrefillFailure(p.req.request_id, why))
+
     def _release(self, p: _Pending) -> None:
         if p.hit is not None:
             self.prefix_cache.release(p.hit)
@@ -173,13 +179,18 @@ class PrefillWorker:
     def _choose(self) -> list[tuple[_Pending, int]]:
         budget = self.config.max_batch_tokens
         chosen: list[tuple[_Pending, int]] = []
-        for p in self.pending.values():
+        for p in list(self.pending.values()):
             if budget <= 0 or len(chosen) >= self.config.max_batch_requests:
                 break
             if p.req.solo and chosen:
                 continue  # a solo request waits for a step of its own
             if p.layout is None:
-                self._start(p)
+                try:
+                    self._start(p)
+                except Exception as e:  # this request cannot start: it fails alone, the others go on
+                    log.exception("starting the prefill of %s failed; failing it", p.req.request_id)
+                    self._drop(p, f"its prefill could not start: {type(e).__name__}: {e}")
+                    continue
             n = min(len(p.tokens) - p.done, budget)
             if p.snapshots:  # stop at the next snapshot boundary: the state is taken there exactly
                 n = min(n, p.snapshots[0] - p.done)
@@ -203,9 +214,7 @@ class PrefillWorker:
         except Exception as e:
             log.exception("prefill step over %d request(s) failed; failing them", len(chosen))
             for p, _ in chosen:
-                del self.pending[p.req.request_id]
-                self._release(p)
-                self.failures.append(PrefillFailure(p.req.request_id, f"a prefill step it was in failed: {type(e).__name__}: {e}"))
+                self._drop(p, f"a prefill step it was in failed: {type(e).__name__}: {e}")
             return []
         finished: list[tuple[_Pending, torch.Tensor]] = []
         for (p, n), lo, layout in zip(chosen, logits, layouts):
