@@ -48,6 +48,30 @@ def _load_packed(pool_ptr, rows, ok, row_bytes, offs_d, in_d, NOPE: tl.constexpr
 
 
 @triton.jit
+def _fold_rows(q, m, denom, acc, pool_ptr, rows, ok, pool_stride_row, pool_stride_d, offs_d, in_d, scale,
+               PACKED_NOPE: tl.constexpr, SCALE_OFF: tl.constexpr):
+    """Load pool rows `rows` [BLOCK_L] (where `ok`) and fold them into the running (max, denominator,
+    numerator) of every head; every segment and prefix loop of the attention kernels calls this."""
+    if PACKED_NOPE > 0:
+        kv = _load_packed(pool_ptr, rows, ok, pool_stride_row, offs_d, in_d, PACKED_NOPE, SCALE_OFF)
+    else:
+        kv = tl.load(
+            pool_ptr + rows[:, None] * pool_stride_row + offs_d[None, :] * pool_stride_d,
+            mask=ok[:, None] & in_d[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK_L, BLOCK_D]
+    s = tl.dot(q, tl.trans(kv), input_precision="ieee") * scale  # [BLOCK_H, BLOCK_L]
+    s = tl.where(ok[None, :], s, float("-inf"))
+    # m starts at the sink logit, so it is finite and a fully masked block gives p == 0, not NaN.
+    m_new = tl.maximum(m, tl.max(s, axis=1))  # [BLOCK_H]
+    alpha = tl.exp(m - m_new)  # [BLOCK_H]
+    p = tl.exp(s - m_new[:, None])  # [BLOCK_H, BLOCK_L]
+    denom = denom * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")  # [BLOCK_H, BLOCK_D]
+    return m_new, denom, acc
+
+
+@triton.jit
 def _attend_segment(
     q,
     m,
@@ -73,24 +97,8 @@ def _attend_segment(
     for start in range(0, seg_len, BLOCK_L):
         in_l = start + offs_l < seg_len
         rows = tl.load(rows_ptr + b * rows_stride_b + (start + offs_l) * rows_stride_j, mask=in_l, other=-1)  # [BLOCK_L]
-        ok = rows >= 0
-        if PACKED_NOPE > 0:
-            kv = _load_packed(pool_ptr, rows, ok, pool_stride_row, offs_d, in_d, PACKED_NOPE, SCALE_OFF)
-        else:
-            kv = tl.load(
-                pool_ptr + rows[:, None] * pool_stride_row + offs_d[None, :] * pool_stride_d,
-                mask=ok[:, None] & in_d[None, :],
-                other=0.0,
-            ).to(tl.float32)  # [BLOCK_L, BLOCK_D]
-        s = tl.dot(q, tl.trans(kv), input_precision="ieee") * scale  # [BLOCK_H, BLOCK_L]
-        s = tl.where(ok[None, :], s, float("-inf"))
-        # m starts at the sink logit, so it is finite and a fully masked block gives p == 0, not NaN.
-        m_new = tl.maximum(m, tl.max(s, axis=1))  # [BLOCK_H]
-        alpha = tl.exp(m - m_new)  # [BLOCK_H]
-        p = tl.exp(s - m_new[:, None])  # [BLOCK_H, BLOCK_L]
-        denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")  # [BLOCK_H, BLOCK_D]
-        m = m_new
+        m, denom, acc = _fold_rows(q, m, denom, acc, pool_ptr, rows, rows >= 0, pool_stride_row, pool_stride_d,
+                                   offs_d, in_d, scale, PACKED_NOPE, SCALE_OFF)
     return m, denom, acc
 
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_triton import _attend_segment, _load_packed
+from kernels.attention_triton import _attend_segment, _fold_rows
 
 MAX_SEGMENTS = 2
 
@@ -40,23 +40,8 @@ def _attend_prefix(
     offs_l = tl.arange(0, BLOCK_L)
     for start in range(0, count, BLOCK_L):
         rows = (start + offs_l).to(tl.int64)
-        ok = rows < count
-        if PACKED_NOPE > 0:
-            kv = _load_packed(pool_ptr, rows, ok, pool_stride_row, offs_d, in_d, PACKED_NOPE, SCALE_OFF)
-        else:
-            kv = tl.load(
-                pool_ptr + rows[:, None] * pool_stride_row + offs_d[None, :] * pool_stride_d,
-                mask=ok[:, None] & in_d[None, :],
-                other=0.0,
-            ).to(tl.float32)  # [BLOCK_L, BLOCK_D]
-        s = tl.dot(q, tl.trans(kv), input_precision="ieee") * scale  # [BLOCK_H, BLOCK_L]
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))  # [BLOCK_H]
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])  # [BLOCK_H, BLOCK_L]
-        denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, kv, input_precision="ieee")  # [BLOCK_H, BLOCK_D]
-        m = m_new
+        m, denom, acc = _fold_rows(q, m, denom, acc, pool_ptr, rows, rows < count, pool_stride_row, pool_stride_d,
+                                   offs_d, in_d, scale, PACKED_NOPE, SCALE_OFF)
     return m, denom, acc
 
 
