@@ -40,3 +40,13 @@ def tiny_model(tiny_dir):
     from model.loader import load_model
 
     return load_model(tiny_dir)
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for a test's duration (modules use it with `pytestmark`): on a busy 2-core machine
+    two threads of long CPU work spin against each other."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

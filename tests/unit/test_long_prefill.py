@@ -29,13 +29,7 @@ def _prefill(model, ids: torch.Tensor, chunk: int, **kw):
     return torch.cat(outs), layout
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread for these long CPU tests: on a busy 2-core machine two threads spin against each other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _growing(layout):

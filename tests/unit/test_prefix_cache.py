@@ -21,12 +21,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 SEEDED = SamplingParams(max_tokens=6, temperature=0.9, top_k=40, seed=7)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _tokens(n: int, vocab: int, seed: int) -> list[int]:
