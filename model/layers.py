@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.config import CSA, HASH_MOE, HCA, ModelConfig
+from core.parallel import WHOLE, Shard
 from kernels.kv_format import KVCodec
 from model.index_topk import topk_keys
 
@@ -97,14 +98,20 @@ class MLP(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts, stacked: gate_up [experts, 2*inter, hidden] (w1 then w3), down [experts, hidden, inter]."""
+    """Routed experts, stacked: gate_up [experts, 2*inter, hidden] (w1 then w3), down [experts, hidden, inter].
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    On an expert-parallel rank (`shard.ep > 1`) only this rank's experts are here, global ids
+    `first_expert ..`; pairs routed elsewhere contribute 0.
+    """
+
+    def __init__(self, cfg: ModelConfig, shard: Shard = WHOLE) -> None:
         super().__init__()
-        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.first_expert, e = shard.experts(cfg)
+        h, i = cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down = nn.Parameter(torch.empty(e, h, i))
         self.limit = cfg.swiglu_limit
+        self.sharded = e != cfg.n_routed_experts
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden], idx/weights [tokens, top_k] (expert ids, routing weights) -> [tokens, hidden].
@@ -117,6 +124,10 @@ class Experts(nn.Module):
         """
         tokens, top_k = idx.shape
         num_experts = self.gate_up.shape[0]
+        if self.sharded:  # global ids -> local ones; pairs of other ranks' experts weigh 0
+            local = idx - self.first_expert
+            inside = (local >= 0) & (local < num_experts)
+            idx, weights = torch.where(inside, local, 0), torch.where(inside, weights, 0)
         if tokens * top_k < num_experts:
             pair_x = x.repeat_interleave(top_k, dim=0)  # [pairs, hidden]
             experts = idx.flatten()  # [pairs]
@@ -168,15 +179,21 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    """Router, routed experts and the shared expert. With `comm` set (an expert-parallel replica, see
+    `model.parallel`), rows are routed here, the routed experts run across the replica's ranks, and the
+    shared expert runs on this rank's own rows."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard = WHOLE) -> None:
         super().__init__()
         self.gate = Router(cfg, hashed=cfg.mlp_kind(layer) == HASH_MOE)
-        self.experts = Experts(cfg)
+        self.experts = Experts(cfg, shard)
         self.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.swiglu_limit)
+        self.comm = None
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         idx, w = self.gate(x, token_ids)
-        return self.experts(x, idx, w) + self.shared_experts(x)
+        routed = self.experts(x, idx, w) if self.comm is None else self.comm.routed_experts(self.experts, x, idx, w)
+        return routed + self.shared_experts(x)
 
 
 # --- compressor and indexer -----------------------------------------------------------------------
@@ -289,18 +306,26 @@ def select_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch
 
 
 class Attention(nn.Module):
-    """Weights of one attention block and its per-token projections (shared single KV head)."""
+    """Weights of one attention block and its per-token projections (shared single KV head).
 
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    On an attention-TP rank (`shard.tp > 1`) the block holds its heads' slice of `wq_b` and `attn_sink`,
+    its output groups' rows of `wo_a` and their columns of `wo_b`; `output` then returns a partial sum
+    that `comm` adds up over the TP group. Everything that makes the KV (and the indexer) stays whole.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard = WHOLE) -> None:
         super().__init__()
-        h, d = cfg.num_heads, cfg.head_dim
+        d = cfg.head_dim
+        _, h = shard.heads(cfg)
+        _, groups = shard.groups(cfg)
         self.kind = cfg.layer_types[layer]
         self.wq_a, self.q_norm = linear(cfg.hidden_size, cfg.q_lora_rank), RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = linear(cfg.q_lora_rank, h * d)
         self.wkv, self.kv_norm = linear(cfg.hidden_size, d), RMSNorm(d, cfg.rms_norm_eps)
-        self.wo_a = linear(h * d // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
-        self.wo_b = linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.wo_a = linear(cfg.num_heads * d // cfg.o_groups, groups * cfg.o_lora_rank)
+        self.wo_b = linear(groups * cfg.o_lora_rank, cfg.hidden_size)
         self.attn_sink = nn.Parameter(torch.zeros(h, dtype=torch.float32))
+        self.comm = None
         self.compressor = None
         self.indexer = None
         if self.kind == CSA:
@@ -308,7 +333,7 @@ class Attention(nn.Module):
             self.indexer = Indexer(cfg)
         elif self.kind == HCA:
             self.compressor = Compressor(cfg.hidden_size, d, cfg.hca_rate, False, cfg.rms_norm_eps)
-        self.num_heads, self.head_dim, self.o_groups = h, d, cfg.o_groups
+        self.num_heads, self.head_dim, self.o_groups = h, d, groups
         self.kv_format, self.rope_dim, self.index_dim = cfg.kv_format, cfg.rope_head_dim, cfg.index_head_dim
         self.eps = cfg.rms_norm_eps
         self.scale = d**-0.5
@@ -331,4 +356,5 @@ class Attention(nn.Module):
             grouped = torch.einsum("tgi,goi->tgo", o, w)
         else:  # packed weights (model.packed.FP8Linear) run their own grouped kernel
             grouped = self.wo_a.grouped(o)  # [tokens, groups, o_lora]
-        return self.wo_b(grouped.flatten(-2))
+        out = self.wo_b(grouped.flatten(-2))
+        return out if self.comm is None else self.comm.tp_sum(out)

@@ -25,10 +25,12 @@ from safetensors.torch import save_file
 
 from core.config import WEIGHT_MODES, WEIGHTS_DEQUANTIZE, WEIGHTS_PACKED, ModelConfig
 from core.kv_format import AUTO
+from core.parallel import WHOLE, ParallelLayout, Shard
 from kernels.formats import FP4_BLOCK, FP8_BLOCK, dequant_fp4, dequant_fp8, e8m0_to_float, float_to_e8m0
 from model.config import load_config, to_hf_dict, trained_kv_format
 from model.model import V4Model
 from model.packed import FP4_EXPERTS, FP8, resident_bytes, swap_in_packed
+from model.parallel import take_shard
 from model.rope import rotaries
 
 __all__ = ["dequant_fp4", "dequant_fp8"]  # the format decoders live in kernels.formats; re-exported for callers
@@ -127,13 +129,45 @@ def checkpoint_is_packed(model_dir: str | Path) -> bool | None:
     return False
 
 
-def read_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
+def _our_name(raw: str) -> str:
+    """A checkpoint tensor's name in our spelling; a quantization scale is named `<module>.scale`."""
+    if raw.endswith(_SCALE_SUFFIXES) and not _HC_SCALE.search(raw):
+        base = raw[: -len("_scale_inv")] if raw.endswith("_scale_inv") else raw[: -len(".scale")] + ".weight"
+        return canonical_name(base)[: -len(".weight")] + ".scale"
+    return canonical_name(raw)
+
+
+def _read_shard(fh, raw: str, cfg: ModelConfig, shard: Shard) -> torch.Tensor | None:
+    """Only what `shard` keeps of tensor `raw` (read as a slice; None: another rank's expert)."""
+    name = _our_name(raw)
+    m = _EXPERT.match(name if not name.endswith(".scale") else name[: -len(".scale")] + ".weight")
+    if m:
+        first, count = shard.experts(cfg)
+        return fh.get_tensor(raw) if first <= int(m.group(2)) < first + count else None
+    try:
+        whole = fh.get_slice(raw)
+        part = take_shard(name, whole, cfg, shard)
+        return fh.get_tensor(raw) if part is whole else part
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def read_tensors(model_dir: Path, cfg: ModelConfig | None = None, shard: Shard = WHOLE) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, or with a `shard` (and the model's `cfg`) only that rank's slices: other
+    ranks' experts are never read, split projections are read as slices."""
     tensors: dict[str, torch.Tensor] = {}
     for f in _files(model_dir):
         try:
             with safe_open(str(f), framework="pt") as fh:
                 for k in fh.keys():
-                    tensors[k] = fh.get_tensor(k)
+                    if _IGNORED.match(k):  # not served (the multi-token-prediction block)
+                        continue
+                    if shard.whole:
+                        tensors[k] = fh.get_tensor(k)
+                    elif (t := _read_shard(fh, k, cfg, shard)) is not None:
+                        tensors[k] = t
+        except CheckpointError:
+            raise
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise CheckpointError(f"cannot read {f}: {e}") from None
     return tensors
@@ -165,11 +199,14 @@ def _fp8_packable(module: str, cfg: ModelConfig | None) -> bool:
     return True
 
 
-def _stack_experts(prefix: str, by_id: dict[int, dict[str, tuple]], packed: bool) -> tuple[dict[str, torch.Tensor], bool]:
-    """Per-expert (w1, w3, w2) -> stacked gate_up/down, kept as FP4 (+ `_scale`) when all of them can be."""
+def _stack_experts(
+    prefix: str, by_id: dict[int, dict[str, tuple]], packed: bool, first: int = 0
+) -> tuple[dict[str, torch.Tensor], bool]:
+    """Per-expert (w1, w3, w2) -> stacked gate_up/down, kept as FP4 (+ `_scale`) when all of them can be.
+    The ids run contiguously from `first` (non-zero on an expert-parallel rank)."""
     ids = sorted(by_id)
-    if ids != list(range(len(ids))):
-        raise CheckpointError(f"{prefix}: expert ids are not contiguous from 0 (found {ids[:8]}...)")
+    if ids != list(range(first, first + len(ids))):
+        raise CheckpointError(f"{prefix}: expert ids are not contiguous from {first} (found {ids[:8]}...)")
     try:
         parts = [[by_id[e][w] for w in ("w1", "w3", "w2")] for e in ids]
     except KeyError as e:
@@ -195,7 +232,8 @@ def _stack_experts(prefix: str, by_id: dict[int, dict[str, tuple]], packed: bool
 
 
 def _to_canonical(
-    raw: dict[str, torch.Tensor], weights: str = WEIGHTS_DEQUANTIZE, cfg: ModelConfig | None = None
+    raw: dict[str, torch.Tensor], weights: str = WEIGHTS_DEQUANTIZE, cfg: ModelConfig | None = None,
+    shard: Shard = WHOLE,
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Rename, keep packed or dequantize, and stack experts; `mtp.*` dropped.
 
@@ -241,7 +279,7 @@ def _to_canonical(
     if scales:
         raise CheckpointError(f"scale tensors without a weight: {sorted(scales)[:5]}")
     for prefix, by_id in experts.items():
-        stacked, kept = _stack_experts(prefix, by_id, packed)
+        stacked, kept = _stack_experts(prefix, by_id, packed, shard.experts(cfg)[0] if not shard.whole else 0)
         out.update(stacked)
         if kept:
             kinds[prefix] = FP4_EXPERTS
@@ -278,6 +316,7 @@ def load_model(
     name: str | None = None,
     weights: str = WEIGHTS_PACKED,
     kv_format: str | None = None,
+    shard: Shard = WHOLE,
 ) -> V4Model:
     """Build the model from `model_dir/config.json` and load its weights.
 
@@ -289,6 +328,9 @@ def load_model(
     `dequantize` expands them to `dtype` at load (the reference, and today's bf16 memory figures). A
     checkpoint without packed tensors loads the same in both modes. `dtype` applies to everything that is
     not packed (norms, sinks and the like stay fp32).
+
+    `shard` (`core.parallel.Shard`): build and read only one rank's part of the model (its experts, its
+    slices of the attention-TP projections); the whole model is never in memory.
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -298,18 +340,27 @@ def load_model(
         kv_format = trained_kv_format(cfg)
     if kv_format is not None:
         cfg = dataclasses.replace(cfg, kv_format=kv_format)
-    got, kinds = _to_canonical(read_tensors(model_dir), weights, cfg)
-    model = build_empty(cfg, dtype, device, packed=kinds)
+    if not shard.whole:
+        try:
+            ParallelLayout(tp=shard.tp).check(cfg)
+            if shard.ep > 1:
+                ParallelLayout(dp=shard.ep, expert_parallel=True).check(cfg)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+    got, kinds = _to_canonical(read_tensors(model_dir, cfg, shard), weights, cfg, shard)
+    model = build_empty(cfg, dtype, device, packed=kinds, shard=shard)
     _copy_state(model, got)
     log.info(
-        "loaded %s (%d layers, %.1fM parameters, %d modules packed, %.1f MB resident)",
+        "loaded %s (%d layers, %.1fM parameters, %d modules packed, %.1f MB resident%s)",
         model_dir, cfg.num_layers, num_params(model) / 1e6, len(kinds), resident_bytes(model) / 1e6,
+        "" if shard.whole else f"; shard tp {shard.tp_rank}/{shard.tp}, ep {shard.ep_rank}/{shard.ep}",
     )
     return model.eval()
 
 
 def build_empty(
-    cfg: ModelConfig, dtype: torch.dtype = torch.float32, device=None, packed: dict[str, str] | None = None
+    cfg: ModelConfig, dtype: torch.dtype = torch.float32, device=None, packed: dict[str, str] | None = None,
+    shard: Shard = WHOLE,
 ) -> V4Model:
     """A model of `cfg`: dense weights in `dtype` (norms and the like fp32), default-initialised.
 
@@ -319,7 +370,7 @@ def build_empty(
     """
     target = torch.device(device or "cpu")
     with torch.device("meta" if packed else target):
-        model = V4Model(cfg)
+        model = V4Model(cfg, shard)
     keep_fp32 = ("norm", "attn_sink", "ape", "hc_", "gate.bias")
     for n, p in model.named_parameters():
         if not any(k in n for k in keep_fp32):

@@ -19,6 +19,7 @@ from torch import nn
 from cachetier.batch import DecodeKV, LayoutBatch
 from cachetier.layout import KVLayout
 from core.config import ModelConfig
+from core.parallel import WHOLE, Shard
 from model.attention import decode_layer
 from model.layers import Attention, MoE, RMSNorm, hc_merge, hc_weights, linear, rms
 from model.prefill import DEFAULT_TILE, prefill_layer
@@ -26,13 +27,13 @@ from model.rope import rope_kind, rotaries
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, shard: Shard = WHOLE) -> None:
         super().__init__()
         hc, h = cfg.hc_mult, cfg.hidden_size
         mix = (2 + hc) * hc
         self.attn_norm, self.ffn_norm = RMSNorm(h, cfg.rms_norm_eps), RMSNorm(h, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer)
-        self.ffn = MoE(cfg, layer)
+        self.attn = Attention(cfg, layer, shard)
+        self.ffn = MoE(cfg, layer, shard)
         self.hc_attn_fn = nn.Parameter(torch.zeros(mix, hc * h, dtype=torch.float32))
         self.hc_attn_base = nn.Parameter(torch.zeros(mix, dtype=torch.float32))
         self.hc_attn_scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
@@ -45,12 +46,15 @@ AttendFn = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 class V4Model(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """The whole model, or one rank's shard of it (`shard`, see `core.parallel`); a sharded model computes
+    only together with its replica's other ranks, through the communicator `attach` gives it."""
+
+    def __init__(self, cfg: ModelConfig, shard: Shard = WHOLE) -> None:
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.shard, self.comm = cfg, shard, None
         h, hc = cfg.hidden_size, cfg.hc_mult
         self.embed = nn.Embedding(cfg.vocab_size, h)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.head = linear(h, cfg.vocab_size)
         self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * h, dtype=torch.float32))
@@ -68,6 +72,28 @@ class V4Model(nn.Module):
             if not rot.inv_freq.is_meta:
                 rot.inv_freq = rot.inv_freq.to(self.embed.weight.device)
         return self
+
+    def attach(self, comm) -> V4Model:
+        """Compute as one rank of a replica from now on: `comm` (`model.parallel.Comm`) sums the attention
+        output over the TP group and runs the routed experts across the EP ranks. Returns the model."""
+        self.comm = comm
+        for blk in self.layers:
+            blk.attn.comm = comm if comm is not None and comm.tp > 1 else None
+            blk.ffn.comm = comm if comm is not None and comm.ep > 1 else None
+        return self
+
+    @torch.inference_mode()
+    def idle_forward(self) -> None:
+        """A forward with no rows: an expert-parallel rank with nothing to run this step still joins every
+        MoE exchange, so its replica's collectives line up (attention needs no peer: a DP group is idle
+        on all of its TP ranks at once)."""
+        if self.comm is None or self.comm.ep == 1:
+            return
+        self.comm.begin_forward(0)
+        x = self.embed.weight.new_zeros(0, self.cfg.hidden_size)
+        ids = torch.zeros(0, dtype=torch.long, device=self.device)
+        for blk in self.layers:
+            blk.ffn(x, ids)
 
     def set_kv_format(self, fmt: str) -> V4Model:
         """Round and store KV rows as `fmt` from now on (`ModelConfig.kv_format`); layouts made before stay
@@ -89,6 +115,8 @@ class V4Model(nn.Module):
         """Token-wise trunk over `token_ids` [tokens]; `attend(layer, x)` supplies attention -> logits [tokens, vocab]
         (only of the token positions `rows`, when given: the head is the widest matmul of a prefill)."""
         cfg = self.cfg
+        if self.comm is not None:
+            self.comm.begin_forward(token_ids.shape[0])
         x = self.embed(token_ids)
         streams = x.unsqueeze(-2).expand(-1, cfg.hc_mult, -1).contiguous()  # [tokens, hc, hidden]
         for i, blk in enumerate(self.layers):

@@ -110,10 +110,10 @@ class FP4Experts(nn.Module):
         buf("down", hidden, inter)
 
     @classmethod
-    def from_dense(cls, experts: Experts, first_expert: int = 0) -> FP4Experts:
+    def from_dense(cls, experts: Experts) -> FP4Experts:
         """Quantize dense stacked experts (round to nearest even, power-of-two scales, nothing clipped)."""
         e, two_i, h = experts.gate_up.shape
-        mod = cls(e, h, two_i // 2, experts.limit, first_expert, device=experts.gate_up.device)
+        mod = cls(e, h, two_i // 2, experts.limit, experts.first_expert, device=experts.gate_up.device)
         for name in ("gate_up", "down"):
             packed, scale = quantize_fp4(getattr(experts, name).detach())
             getattr(mod, name).copy_(packed)
@@ -205,7 +205,7 @@ def swap_in_packed(model: nn.Module, kinds: dict[str, str]) -> None:
             if not isinstance(old, Experts):
                 raise TypeError(f"{path} is a {type(old).__name__}, not routed experts; it cannot hold FP4 weights")
             e, two_i, h = old.gate_up.shape
-            new = FP4Experts(e, h, two_i // 2, old.limit, device=old.gate_up.device)
+            new = FP4Experts(e, h, two_i // 2, old.limit, old.first_expert, device=old.gate_up.device)
         else:
             raise ValueError(f"unknown packed kind {kind!r} for {path}")
         setattr(parent, attr, new)

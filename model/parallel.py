@@ -1,0 +1,222 @@
+"""One rank of a replica: its process groups and the collectives the model's layers call.
+
+A replica (`core.parallel.ParallelLayout`) runs one process per device. Per forward pass every rank:
+- with expert parallelism, starts with one all_gather of row counts over the metadata (gloo) group,
+  so every MoE exchange pads to the same size on every rank (`begin_forward`; a step loop that gathered
+  the counts already to decide who idles passes them on through `sync_rows`, and no second gather runs);
+- per attention layer with attention-TP: one all_reduce (sum) of the output projection over its TP group;
+- per MoE layer with expert parallelism: one all_gather of (rows, expert ids, routing weights), padded to
+  the largest rank's rows, the local experts on all gathered rows, and one reduce_scatter (sum) that hands
+  every rank the routed output of its own rows. Routing happens before the exchange (on the rank's own
+  tokens), so hash-routed layers need no token ids from other ranks.
+
+Every rank enters every collective in the same order: a rank with no rows runs `V4Model.idle_forward`.
+Counters of calls and bytes per kind make the cost per step visible (`stats`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import socket
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from core.config import ModelConfig
+from core.parallel import ParallelLayout, Shard
+from kernels.formats import FP8_BLOCK
+
+META = "meta_all_gather"
+TP_ALL_REDUCE = "tp_all_reduce"
+EP_ALL_GATHER = "ep_all_gather"
+EP_REDUCE_SCATTER = "ep_reduce_scatter"
+
+
+@dataclass
+class CollectiveStats:
+    """Collective calls and the bytes this rank put in, by kind, since the last `reset`."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, t: torch.Tensor) -> None:
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.bytes[kind] = self.bytes.get(kind, 0) + t.numel() * t.element_size()
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+    def to_dict(self) -> dict:
+        return {"calls": dict(self.calls), "bytes": dict(self.bytes)}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Comm:
+    """The collectives of one rank. Build it with `Comm.open` (joins the process group) or directly from
+    groups that exist already; hand it to `V4Model.attach`."""
+
+    def __init__(self, layout: ParallelLayout, rank: int, device: torch.device, tp_group=None, meta_group=None,
+                 ep_group=None) -> None:
+        self.layout, self.rank, self.device = layout, rank, torch.device(device)
+        self.shard: Shard = layout.shard(rank)
+        self.tp, self.ep = layout.tp, layout.ep
+        self.tp_group, self.meta_group, self.ep_group = tp_group, meta_group, ep_group
+        self.stats = CollectiveStats()
+        self._counts: list[int] | None = None  # row counts of the forward under way
+        self._pending: list[int] | None = None  # gathered by sync_rows for the next forward
+
+    @classmethod
+    def open(cls, layout: ParallelLayout, rank: int, address: str, device: torch.device | str = "cpu",
+             timeout_s: float = 300.0) -> Comm:
+        """Join the replica's process group at `address` (`tcp://host:port`, opened by whichever rank gets
+        there first) and build the TP and metadata groups. nccl on CUDA, gloo otherwise; metadata always
+        travels over gloo."""
+        device = torch.device(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, init_method=address, rank=rank, world_size=layout.world, timeout=timeout)
+        # every rank creates every group, in the same order
+        tp_group = None
+        for ranks in layout.tp_groups():
+            g = dist.new_group(ranks, backend=backend) if layout.tp > 1 else None
+            if rank in ranks:
+                tp_group = g
+        meta_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+        return cls(layout, rank, device, tp_group=tp_group, meta_group=meta_group, ep_group=dist.group.WORLD)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------------------------- per step
+
+    def sync_rows(self, rows: int) -> list[int]:
+        """All ranks' row counts for the coming step (one gloo all_gather); the next `begin_forward` uses
+        them instead of gathering again. A step loop calls this on every rank to decide who idles."""
+        mine = torch.tensor([rows], dtype=torch.long)
+        out = torch.empty(self.layout.world, dtype=torch.long)
+        dist.all_gather_into_tensor(out, mine, group=self.meta_group)
+        self.stats.add(META, mine)
+        self._pending = out.tolist()
+        return self._pending
+
+    def begin_forward(self, rows: int) -> None:
+        """Called by the model at the start of each forward with this rank's rows."""
+        if self.ep == 1:
+            return
+        counts, self._pending = self._pending, None
+        if counts is None:
+            self.sync_rows(rows)
+            counts, self._pending = self._pending, None
+        if counts[self.rank] != rows:
+            raise RuntimeError(f"rank {self.rank} announced {counts[self.rank]} rows for this step but runs {rows}")
+        self._counts = counts
+
+    # ------------------------------------------------------------------------------------- layers
+
+    def tp_sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum a row-parallel projection's partial outputs over the TP group (in place)."""
+        dist.all_reduce(partial, group=self.tp_group)
+        self.stats.add(TP_ALL_REDUCE, partial)
+        return partial
+
+    def routed_experts(self, experts, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """This rank's rows x [n, hidden] with their routing (expert ids, weights [n, top_k]) -> the routed
+        experts' output [n, hidden], every expert running on the rank that holds it."""
+        counts = self._counts
+        if counts is None:
+            raise RuntimeError("routed_experts outside a forward: the model calls begin_forward first")
+        most = max(counts)
+        n, hidden = x.shape
+        if most == 0:
+            return x.new_zeros(n, hidden)
+        k = idx.shape[1]
+        # one buffer for the three tensors, fp32 (expert ids are small integers, exact in fp32)
+        send = torch.zeros(most, hidden + 2 * k, dtype=torch.float32, device=x.device)
+        send[:n, :hidden] = x
+        send[:n, hidden:hidden + k] = idx
+        send[:n, hidden + k:] = weights
+        gathered = torch.empty(self.ep * most, hidden + 2 * k, dtype=torch.float32, device=x.device)
+        dist.all_gather_into_tensor(gathered, send, group=self.ep_group)
+        self.stats.add(EP_ALL_GATHER, send)
+        y = experts(gathered[:, :hidden].to(x.dtype), gathered[:, hidden:hidden + k].long(),
+                    gathered[:, hidden + k:].to(weights.dtype))  # [ranks * most, hidden], zero for padding rows
+        out = torch.empty(most, hidden, dtype=y.dtype, device=y.device)
+        dist.reduce_scatter_tensor(out, y.contiguous(), group=self.ep_group)
+        self.stats.add(EP_REDUCE_SCATTER, y)
+        return out[:n].to(x.dtype)
+
+    def all_equal(self, value: int) -> bool:
+        """Whether every rank of the replica holds the same integer (a digest check: top-k picks, LRU state)."""
+        t = torch.tensor([value, -value], dtype=torch.long)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.meta_group)
+        return int(t[0]) == value and int(-t[1]) == value
+
+
+# --------------------------------------------------------------------------------------------- shards
+
+_BY_HEADS = re.compile(r"^layers\.\d+\.attn\.(wq_b\.weight|attn_sink)$")
+_BY_GROUP_ROWS = re.compile(r"^layers\.\d+\.attn\.wo_a\.weight$")
+_BY_GROUP_COLS = re.compile(r"^layers\.\d+\.attn\.wo_b\.weight$")
+_EXPERT_STACK = re.compile(r"^layers\.\d+\.ffn\.experts\.(gate_up|down)(_scale)?$")
+
+
+def shard_slice(name: str, cfg: ModelConfig, shard: Shard) -> tuple[int, int, int] | None:
+    """(dim, start, stop) of the tensor `name` (this project's spelling; a packed linear's `.scale` goes by its
+    `.weight`) that `shard` keeps, counted in the dense weight's elements; None: the rank keeps all of it.
+
+    The one place that says what a rank holds: the loader reads these slices from the checkpoint, tests
+    cut whole models with them, and `model.layers` builds modules of the matching shapes."""
+    if shard.tp > 1:
+        if _BY_HEADS.match(name):
+            first, n = shard.heads(cfg)
+            unit = 1 if name.endswith("attn_sink") else cfg.head_dim
+            return 0, first * unit, (first + n) * unit
+        if _BY_GROUP_ROWS.match(name) or _BY_GROUP_COLS.match(name):
+            first, n = shard.groups(cfg)
+            dim = 0 if _BY_GROUP_ROWS.match(name) else 1
+            return dim, first * cfg.o_lora_rank, (first + n) * cfg.o_lora_rank
+    if shard.ep > 1 and _EXPERT_STACK.match(name):
+        first, n = shard.experts(cfg)
+        return 0, first, first + n
+    return None
+
+
+def _tile_range(name: str, lo: int, hi: int, tiles: int) -> tuple[int, int]:
+    """A slice of an FP8 weight in elements -> the slice of its per-128 tile scales; the cut must fall on tiles."""
+    end = -(-hi // FP8_BLOCK)
+    if lo % FP8_BLOCK or (hi % FP8_BLOCK and end != tiles):
+        raise ValueError(
+            f"this split cuts {name} inside a {FP8_BLOCK}-wide FP8 tile (elements {lo}..{hi}); load it with "
+            f"weights='dequantize' or choose a parallel degree whose slices are multiples of {FP8_BLOCK}"
+        )
+    return lo // FP8_BLOCK, end
+
+
+def take_shard(name: str, t, cfg: ModelConfig, shard: Shard):
+    """This rank's part of tensor `name` (a torch tensor, or a safetensors slice read lazily); `t` itself when
+    the rank keeps all of it."""
+    is_scale = name.endswith(".scale") and not _EXPERT_STACK.match(name)
+    rule = shard_slice(name[: -len(".scale")] + ".weight" if is_scale else name, cfg, shard)
+    if rule is None:
+        return t
+    dim, lo, hi = rule
+    if is_scale:
+        shape = t.get_shape() if not isinstance(t, torch.Tensor) else t.shape
+        lo, hi = _tile_range(name, lo, hi, shape[dim])
+    index = (slice(None),) * dim + (slice(lo, hi),)
+    out = t[index]
+    return out.contiguous() if isinstance(out, torch.Tensor) else out
+
+
+def shard_state(state: dict[str, torch.Tensor], cfg: ModelConfig, shard: Shard) -> dict[str, torch.Tensor]:
+    """Cut a whole model's state dict (our names) down to `shard`'s tensors."""
+    return {k: take_shard(k, v, cfg, shard).clone() for k, v in state.items()}

@@ -1,0 +1,164 @@
+"""Runs one workload on a replica of real processes (gloo, one thread each) and in one process, for the
+parallel tests to compare.
+
+The workload: every DP group gets its own prompts (uneven counts; a group may get none), prefills them
+in one forward, then decodes greedily through a tiered store whose hot buffer is small enough to miss.
+Requests stop at different steps, so ranks run uneven rows and, near the end, zero rows (an idle forward).
+Each rank records per request the prefill logits of the last token, every decode step's logits and
+token, and every router and indexer top-k selection it made; the reference runs each DP group's exact
+schedule with the whole model in one process and records the same.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from cachetier.store import TieredStore
+from core.parallel import ParallelLayout
+from core.roles import TierConfig
+
+DECODE_STEPS = 18
+
+
+def prompts_for(layout: ParallelLayout, vocab: int, lengths: list[list[int]], seed: int) -> list[list[list[int]]]:
+    """Per DP group, its prompts (token ids): `lengths[d]` gives the group's prompt lengths."""
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(6, vocab, (n,), generator=g).tolist() for n in group] for group in lengths[: layout.dp]]
+
+
+def steps_for(prompt_lists: list[list[list[int]]]) -> list[list[int]]:
+    """Decode steps per request: uneven, so rows per rank vary and ranks run out at different times."""
+    return [[DECODE_STEPS - 3 * i - 2 * d for i in range(len(ps))] for d, ps in enumerate(prompt_lists)]
+
+
+class Recorder:
+    """Wraps the model's router and indexer selection to record what they pick (the near-tie guard)."""
+
+    def __init__(self, model) -> None:
+        import model.attention as attention
+
+        self.router: list[torch.Tensor] = []
+        self.index: list[torch.Tensor] = []
+        self._attention, self._select = attention, attention.select_topk
+        self._gates = [blk.ffn.gate for blk in model.layers]
+        for blk in model.layers:
+            gate = blk.ffn.gate
+            original = gate.forward
+
+            def forward(x, token_ids, original=original):
+                idx, w = original(x, token_ids)
+                if idx.numel():  # an idle forward routes no rows
+                    self.router.append(idx.sort(dim=-1).values.clone())
+                return idx, w
+
+            gate.forward = forward
+
+        def select(scores, visible, topk):
+            ids = self._select(scores, visible, topk)
+            self.index.append(ids.sort(dim=-1).values.clone())
+            return ids
+
+        attention.select_topk = select
+
+    def close(self) -> None:
+        self._attention.select_topk = self._select
+        for gate in self._gates:
+            del gate.forward  # back to the class's method
+
+
+def tier(cfg) -> TierConfig:
+    return TierConfig(offload=True, hot_buffer_slots=cfg.index_topk, reserved_slots=2,
+                      device_budget_bytes=16 * 2**20, host_pool_bytes=16 * 2**20)
+
+
+def run_group(model, prompts: list[list[int]], steps: list[int], idle=None, sync=None) -> dict:
+    """One DP group's schedule on `model` (whole, or a rank's shard attached to its replica).
+
+    `sync(rows) -> counts` gathers every rank's rows before each forward (None: a single process);
+    `idle()` runs the forward of a rank without rows."""
+    rec = Recorder(model)
+    out = {"prefill": [], "logits": [[] for _ in prompts], "tokens": [[] for _ in prompts]}
+    store = TieredStore(model.cfg, tier(model.cfg))
+    try:
+        with torch.inference_mode():
+            if sync is not None:
+                sync(sum(len(p) for p in prompts))
+            if prompts:
+                logits, layouts = model.prefill_batch([(p, None) for p in prompts], last_only=True)
+                out["prefill"] = [lg[-1] for lg in logits]
+                tokens = [int(lg[-1].argmax()) for lg in logits]
+                for i, (p, lay) in enumerate(zip(prompts, layouts)):
+                    store.admit(f"r{i}", lay, len(p) + DECODE_STEPS + 2)
+                    out["tokens"][i].append(tokens[i])
+            elif idle is not None:
+                idle()
+            for step in range(max(steps, default=0) if sync is None else DECODE_STEPS):
+                active = [i for i, n in enumerate(steps) if step < n]
+                if sync is not None:
+                    counts = sync(len(active))
+                    if sum(counts) == 0:
+                        break
+                if not active:
+                    if idle is not None:
+                        idle()
+                    continue
+                ids = [f"r{i}" for i in active]
+                view = store.step_view(ids, len(ids), tokens=[out["tokens"][i][-1] for i in active])
+                logits = model.decode_forward(view, view.token_ids)[: len(ids)]
+                view.advance()
+                for row, i in enumerate(active):
+                    out["logits"][i].append(logits[row].clone())
+                    out["tokens"][i].append(int(logits[row].argmax()))
+        store.check_integrity()
+        out["misses"] = int(store.counters[:, 1].sum()) if store.counters.numel() else 0
+    finally:
+        rec.close()
+        store.close()
+    out["router"], out["index"] = rec.router, rec.index
+    return out
+
+
+def rank_main(rank: int, layout_text: str, port: int, model_dir: str, out_dir: str, lengths, seed: int) -> None:
+    """The body of one rank's process (`torch.multiprocessing.spawn` calls it)."""
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from model.loader import load_model
+    from model.parallel import Comm
+
+    layout = ParallelLayout.parse(layout_text)
+    comm = Comm.open(layout, rank, f"tcp://127.0.0.1:{port}", timeout_s=120)
+    try:
+        model = load_model(model_dir, shard=comm.shard).attach(comm)
+        dp_rank, _ = layout.coords(rank)
+        prompt_lists = prompts_for(layout, model.cfg.vocab_size, lengths, seed)
+        steps = steps_for(prompt_lists)
+        comm.stats.reset()
+        result = run_group(model, prompt_lists[dp_rank], steps[dp_rank], idle=model.idle_forward, sync=comm.sync_rows)
+        result["stats"] = comm.stats.to_dict()
+        result["counters_equal_in_replica"] = comm.all_equal(result["misses"]) if layout.dp == 1 else None
+        result["weight_bytes"] = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        comm.close()
+
+
+def run_replica(layout_text: str, model_dir: str, out_dir: str, lengths, seed: int) -> list[dict]:
+    """Spawn the replica's ranks, wait for them, and return each rank's record."""
+    import torch.multiprocessing as mp
+
+    from model.parallel import free_port
+
+    layout = ParallelLayout.parse(layout_text)
+    mp.spawn(rank_main, args=(layout_text, free_port(), model_dir, out_dir, lengths, seed), nprocs=layout.world)
+    return [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(layout.world)]
+
+
+def run_reference(model, layout_text: str, lengths, seed: int) -> list[dict]:
+    """Each DP group's schedule with the whole model in this process."""
+    layout = ParallelLayout.parse(layout_text)
+    prompt_lists = prompts_for(layout, model.cfg.vocab_size, lengths, seed)
+    steps = steps_for(prompt_lists)
+    return [run_group(model, ps, st) for ps, st in zip(prompt_lists, steps)]
