@@ -65,7 +65,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="h200 (141e9 B), b200 (180e9 B), or one GPU's memory as a byte count (e.g. 96GB, 80GiB, 141e9)")
     p.add_argument("--context", type=parse_tokens, required=True, metavar="TOKENS",
                    help="tokens per request (K = 1024, M = 1048576: 1M is the models' full context)")
-    p.add_argument("--num-gpus", type=int, default=8, help="GPUs the weights are split over (default 8)")
+    p.add_argument("--num-gpus", type=int, default=8,
+                   help="GPUs (default 8): the weights split evenly over them, or with --layout whole replicas "
+                        "of the layout")
     p.add_argument("--kv-format", choices=KV_FORMATS, default="fp8",
                    help="SWA/C4/HCA entries: fp8 = 584-byte rows for V4 (default), bf16 = 2 x head_dim")
     p.add_argument("--index-format", choices=INDEX_FORMATS, default="fp4",
