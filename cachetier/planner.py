@@ -50,6 +50,14 @@ Attention is assumed data-parallel: each GPU keeps the whole KV of its own reque
 shared KV head there is nothing to split across tensor-parallel ranks), so a request must fit on one
 GPU and the requests of all GPUs add up.
 
+With a replica layout (`PlanInputs.layout`, a `core.parallel.ParallelLayout`) the GPUs form
+`num_gpus / world` replicas and each GPU holds one rank's weights instead of an even share: the
+estimate below restricted to that rank's routed experts and attention-TP slices (`estimate_weights`
+with `layout`). The KV budget per GPU is computed as above. A DP group's `tp` ranks all hold the
+whole KV of that group's requests, so the requests of the node are `num_gpus / tp` times the requests
+one GPU holds, and with the tier each of those ranks keeps its own host copy of the C4 entries
+(`tp` copies; a shared host region per node would need one).
+
 Weights
 -------
 Estimated from the geometry, tensor by tensor, in the checkpoint's formats: routed experts FP4 (e2m1,
@@ -76,6 +84,7 @@ from types import MappingProxyType
 
 from core.config import CSA, HASH_MOE, SLIDING, WEIGHT_MODES, WEIGHTS_DEQUANTIZE, WEIGHTS_PACKED, ModelConfig
 from core.kv_format import BF16, V4, fp4_key_bytes, fp8_main_row_bytes
+from core.parallel import ParallelLayout
 from core.roles import TierConfig
 
 # Cache kinds; the first five are spelled as in `cachetier.layout` (kept torch-free here on purpose).
@@ -165,6 +174,14 @@ def compressor_state_bytes(cfg: ModelConfig) -> CompressorStateBytes:
 # --------------------------------------------------------------------------------------------- weights
 
 
+def check_layout(cfg: ModelConfig, layout: ParallelLayout) -> None:
+    """`layout.check(cfg)` as a PlanError (the command's readable failure)."""
+    try:
+        layout.check(cfg)
+    except ValueError as e:
+        raise PlanError(f"layout {layout.describe()} does not fit {cfg.name}: {e}") from None
+
+
 @dataclass(frozen=True)
 class WeightGroup:
     """One family of tensors in the weight estimate."""
@@ -245,18 +262,24 @@ def _dequantized_matrix(rows: int, cols: int) -> tuple[int, int]:
     return rows * cols, DEQUANTIZED_WEIGHT_BYTES * rows * cols
 
 
-def _block(cfg: ModelConfig, kind: str, hash_routed: bool, add, weights: str = WEIGHTS_PACKED) -> None:
-    """Add one transformer block's tensors (attention of `kind`, MoE, hyper-connections) through `add`."""
+def _block(cfg: ModelConfig, kind: str, hash_routed: bool, add, weights: str = WEIGHTS_PACKED,
+           layout: ParallelLayout | None = None) -> None:
+    """Add one transformer block's tensors (attention of `kind`, MoE, hyper-connections) through `add`: the
+    whole block, or with `layout` one rank's part of it (see `estimate_weights`)."""
     packed = weights == WEIGHTS_PACKED
     fp8 = _fp8_matrix if packed else _dequantized_matrix
     fp4 = _fp4_matrix if packed else _dequantized_matrix
+    tp, ep = (layout.tp, layout.ep) if layout is not None else (1, 1)
     h, d, heads = cfg.hidden_size, cfg.head_dim, cfg.num_heads
-    for rows, cols in ((cfg.q_lora_rank, h), (heads * d, cfg.q_lora_rank), (d, h),
-                       (cfg.o_groups * cfg.o_lora_rank, heads * d // cfg.o_groups),
-                       (h, cfg.o_groups * cfg.o_lora_rank)):
+    rank_heads, rank_groups = heads // tp, cfg.o_groups // tp
+    for rows, cols in ((cfg.q_lora_rank, h),  # wq_a (whole)
+                       (rank_heads * d, cfg.q_lora_rank),  # wq_b (by heads)
+                       (d, h),  # wkv (whole)
+                       (rank_groups * cfg.o_lora_rank, heads * d // cfg.o_groups),  # wo_a (by output groups)
+                       (h, rank_groups * cfg.o_lora_rank)):  # wo_b (by input columns)
         add(_ATTN, *fp8(rows, cols))
     add(_MISC, 2 * h + cfg.q_lora_rank + d, 2 * (2 * h + cfg.q_lora_rank + d))  # attn/ffn/q/kv norms
-    add(_MISC, heads, 4 * heads)  # attention sink logits
+    add(_MISC, rank_heads, 4 * rank_heads)  # attention sink logits (by heads)
     if kind != SLIDING:
         rate, coff = (cfg.csa_rate, 2) if kind == CSA else (cfg.hca_rate, 1)
         add(_COMP, 2 * coff * d * h, 2 * 2 * coff * d * h)  # compressor kv + gate
@@ -280,19 +303,28 @@ def _block(cfg: ModelConfig, kind: str, hash_routed: bool, add, weights: str = W
     else:
         add(_ROUTER, e, 4 * e)
     inter = cfg.moe_intermediate_size
+    rank_experts = e // ep
     for rows, cols in ((inter, h), (inter, h), (h, inter)):  # gate, up, down
         p, b = fp4(rows, cols)
-        add(_ROUTED, e * p, e * b)
+        add(_ROUTED, rank_experts * p, rank_experts * b)
     shared = inter * cfg.n_shared_experts
     for rows, cols in ((shared, h), (shared, h), (h, shared)):
         add(_SHARED, *fp8(rows, cols))
 
 
-def estimate_weights(cfg: ModelConfig, num_mtp_layers: int = 1, weights: str = WEIGHTS_PACKED) -> WeightEstimate:
+def estimate_weights(cfg: ModelConfig, num_mtp_layers: int = 1, weights: str = WEIGHTS_PACKED,
+                     layout: ParallelLayout | None = None) -> WeightEstimate:
     """Weight bytes of `cfg` in the published checkpoint formats (`packed`, also what a packed load keeps
-    resident) or with every FP8/FP4 matrix in bf16 (`dequantize`); see the module docstring."""
+    resident) or with every FP8/FP4 matrix in bf16 (`dequantize`); see the module docstring.
+
+    With `layout`, the bytes one rank of a replica split that way holds (every rank holds the same amount):
+    its `n_routed_experts / ep` routed experts, and with attention-TP its `1/tp` of `wq_b` and the sinks (by
+    heads), of `wo_a` (by output groups) and of `wo_b` (by input columns), each slice packed on its own (block
+    scales per slice); every other tensor whole. Raises PlanError when the layout does not fit the model."""
     if weights not in WEIGHT_MODES:
         raise PlanError(f"unknown weights mode {weights!r}; expected one of {WEIGHT_MODES}")
+    if layout is not None:
+        check_layout(cfg, layout)
     storage = _STORAGE if weights == WEIGHTS_PACKED else _DEQUANTIZED_STORAGE
     totals: dict[str, list[int]] = {k: [0, 0] for k in storage}
 
@@ -306,7 +338,7 @@ def estimate_weights(cfg: ModelConfig, num_mtp_layers: int = 1, weights: str = W
     add(_MISC, h, 2 * h)  # final norm
     add(_MISC, hc * hc * h + hc + 1, 4 * (hc * hc * h + hc + 1))  # stream-collapse head
     for i, kind in enumerate(cfg.layer_types):
-        _block(cfg, kind, cfg.mlp_kind(i) == HASH_MOE, add, weights)
+        _block(cfg, kind, cfg.mlp_kind(i) == HASH_MOE, add, weights, layout)
     groups = tuple(WeightGroup(k, storage[k], p, b) for k, (p, b) in totals.items())
 
     mtp = [0, 0]
@@ -316,7 +348,7 @@ def estimate_weights(cfg: ModelConfig, num_mtp_layers: int = 1, weights: str = W
         mtp[1] += nbytes
 
     for _ in range(num_mtp_layers):
-        _block(cfg, SLIDING, False, add_mtp, weights)
+        _block(cfg, SLIDING, False, add_mtp, weights, layout)
         for _proj in range(2):  # embedding and hidden-state input projections
             add_mtp(_ATTN, *(_fp8_matrix if weights == WEIGHTS_PACKED else _dequantized_matrix)(h, h))
         add_mtp(_MISC, 3 * h, 6 * h)  # their norms and the block's own final norm
@@ -361,6 +393,10 @@ class PlanInputs:
     checkpoint_packed: bool | None = None
     """Whether the checkpoint stores FP8/FP4 tensors; False plans `dequantize` whatever `weights` says (there is
     nothing to keep packed); None assumes the published formats."""
+    layout: ParallelLayout | None = None
+    """How each replica splits the model over its `layout.world` GPUs (`core.parallel`): `num_gpus` must be a
+    multiple of the world size, each GPU holds one rank's weights (`estimate_weights(..., layout=...)`) and its
+    DP group's KV. None: the weights split evenly over all GPUs, attention data-parallel (no real layout)."""
 
     def __post_init__(self) -> None:
         if self.context_len < 1:
@@ -385,6 +421,25 @@ class PlanInputs:
             raise PlanError(f"host memory must not be negative, got {self.host_memory_bytes}")
         if self.weights not in WEIGHT_MODES:
             raise PlanError(f"unknown weights mode {self.weights!r}; expected one of {WEIGHT_MODES}")
+        if self.layout is not None:
+            if self.num_gpus % self.layout.world:
+                raise PlanError(
+                    f"{self.num_gpus} GPUs do not hold whole replicas of layout {self.layout.describe()} "
+                    f"({self.layout.world} GPUs each); use a multiple of {self.layout.world} GPUs"
+                )
+            if self.weight_bytes is not None:
+                raise PlanError("a whole-model weight figure cannot be split by a layout: with a layout the per-rank "
+                                "weights come from the geometry, leave out the weight bytes")
+
+    @property
+    def kv_copies(self) -> int:
+        """GPUs that hold the same requests' KV: the attention-TP degree (1 without a layout)."""
+        return self.layout.tp if self.layout is not None else 1
+
+    @property
+    def replicas(self) -> int | None:
+        """Whole replicas of the layout on `num_gpus` GPUs; None without a layout."""
+        return self.num_gpus // self.layout.world if self.layout is not None else None
 
     @property
     def weight_mode(self) -> str:
@@ -496,7 +551,11 @@ class Plan:
     weight_bytes: int
     """Whole-model weight bytes used for the budget."""
     weight_bytes_per_gpu: int
-    """One GPU's share of the weights."""
+    """One GPU's share of the weights: with a layout, one rank's weights (`rank_weights` or its dequantized twin)."""
+    rank_weights: WeightEstimate | None
+    """With a layout: one rank's weights in the checkpoint formats (no MTP block); None without one."""
+    rank_dequantized_weights: WeightEstimate | None
+    """With a layout: the same with every FP8/FP4 matrix in bf16; None without one."""
     activation_reserve_bytes_per_gpu: int
     """Bytes per GPU kept for activations and workspace."""
     kv_budget_bytes_per_gpu: int
@@ -507,12 +566,18 @@ class Plan:
     """Fixed bytes per request of each kind."""
     request_bytes: RequestBytes
     """One request at the planned context, per kind."""
+    requests_per_gpu_without_tier: int
+    """Requests whose KV one GPU holds, everything on the device (with attention-TP every rank of a group holds
+    the same requests)."""
+    requests_per_gpu_with_tier: int
+    """Requests whose device part one GPU holds, C4 entries in host memory."""
     requests_without_tier: int
     """Concurrent requests at the context, all GPUs, everything on the device."""
     requests_with_tier: int
     """Concurrent requests at the context, all GPUs, C4 entries in host memory (device-bound only)."""
     host_bytes_needed: int
-    """Host memory the C4 entries of `requests_with_tier` requests take."""
+    """Host memory the C4 entries of `requests_with_tier` requests take, one copy per GPU that holds them (with
+    attention-TP each rank keeps its own host copy: `kv_copies` copies)."""
     requests_with_tier_host_limited: int | None
     """Concurrent requests with the tier when host memory is also a limit; None when not given."""
     notes: tuple[str, ...]
@@ -521,9 +586,43 @@ class Plan:
     @property
     def weight_bytes_per_gpu_by_mode(self) -> dict[str, int]:
         """Estimated resident weights per GPU in each mode (packed vs dequantized), for comparison."""
+        if self.rank_weights is not None and self.rank_dequantized_weights is not None:
+            return {WEIGHTS_PACKED: self.rank_weights.served_bytes,
+                    WEIGHTS_DEQUANTIZE: self.rank_dequantized_weights.served_bytes}
         n = self.inputs.num_gpus
         return {WEIGHTS_PACKED: math.ceil(self.weights.served_bytes / n),
                 WEIGHTS_DEQUANTIZE: math.ceil(self.dequantized_weights.served_bytes / n)}
+
+    @property
+    def host_bytes_per_gpu(self) -> int:
+        """Host memory one GPU's requests need for their C4 entries with the tier."""
+        return self.requests_per_gpu_with_tier * self.request_bytes.host_with_tier
+
+    def per_gpu(self) -> dict:
+        """One GPU's (one rank's) figures, JSON-ready."""
+        ctx = self.inputs.context_len
+        return {
+            "weight_bytes": self.weight_bytes_per_gpu,
+            "weight_bytes_by_mode": self.weight_bytes_per_gpu_by_mode,
+            "whole_model_weight_bytes": self.weight_bytes,
+            "activation_reserve_bytes": self.activation_reserve_bytes_per_gpu,
+            "kv_budget_bytes": self.kv_budget_bytes_per_gpu,
+            "requests_without_tier": self.requests_per_gpu_without_tier,
+            "requests_with_tier": self.requests_per_gpu_with_tier,
+            "tokens_without_tier": self.requests_per_gpu_without_tier * ctx,
+            "tokens_with_tier": self.requests_per_gpu_with_tier * ctx,
+            "host_bytes_needed": self.host_bytes_per_gpu,
+            "weight_groups": None if self.rank_weights is None else [asdict(g) for g in self.rank_weights.groups],
+        }
+
+    def layout_dict(self) -> dict | None:
+        """The layout and its replicas, JSON-ready; None without a layout."""
+        layout = self.inputs.layout
+        if layout is None:
+            return None
+        return {"name": layout.describe(), "dp": layout.dp, "tp": layout.tp, "ep": layout.ep,
+                "expert_parallel": layout.expert_parallel, "world": layout.world, "replicas": self.inputs.replicas,
+                "dp_groups": self.inputs.replicas * layout.dp, "kv_copies": self.inputs.kv_copies}
 
     @property
     def tokens_without_tier(self) -> int:
@@ -615,6 +714,8 @@ class Plan:
                 "num_mtp_layers": w.num_mtp_layers,
                 "groups": [asdict(g) for g in w.groups],
             },
+            "layout": self.layout_dict(),
+            "per_gpu": self.per_gpu(),
             "notes": list(self.notes),
         }
 
@@ -671,27 +772,39 @@ def plan(cfg: ModelConfig, inputs: PlanInputs) -> Plan:
     if inputs.context_len > cfg.max_position_embeddings:
         raise PlanError(f"context {inputs.context_len} exceeds the model's {cfg.max_position_embeddings} positions")
 
+    layout = inputs.layout
     weights = estimate_weights(cfg, inputs.num_mtp_layers)
     dequantized = estimate_weights(cfg, inputs.num_mtp_layers, WEIGHTS_DEQUANTIZE)
     resident = weights if inputs.weight_mode == WEIGHTS_PACKED else dequantized
     weight_bytes = inputs.weight_bytes if inputs.weight_bytes is not None else resident.served_bytes
     if inputs.checkpoint_packed is False and inputs.weights == WEIGHTS_PACKED:
         notes.append("the checkpoint stores no FP8/FP4 tensors, so its weights are planned as dequantized (bf16)")
-    weight_per_gpu = math.ceil(weight_bytes / inputs.num_gpus)
+    rank_weights = rank_dequantized = None
+    if layout is None:
+        weight_per_gpu = math.ceil(weight_bytes / inputs.num_gpus)
+    else:
+        rank_weights = estimate_weights(cfg, 0, WEIGHTS_PACKED, layout)
+        rank_dequantized = estimate_weights(cfg, 0, WEIGHTS_DEQUANTIZE, layout)
+        weight_per_gpu = (rank_weights if resident is weights else rank_dequantized).served_bytes
     reserve = math.ceil(inputs.device_bytes_per_gpu * inputs.activation_reserve)
     budget = inputs.device_bytes_per_gpu - reserve - weight_per_gpu
     if budget <= 0:
+        fix = ("use more GPUs or larger ones" if layout is None else
+               f"layout {layout.describe()} puts this much on every rank whatever the GPU count: split more (expert "
+               f"parallelism, attention-TP), use larger GPUs or a smaller activation reserve")
         raise PlanError(
             f"nothing left for KV: {weight_per_gpu / 1e9:.2f} GB of weights and {reserve / 1e9:.2f} GB of activation "
             f"reserve per GPU exceed the {inputs.device_bytes_per_gpu / 1e9:.2f} GB of each of {inputs.num_gpus} GPUs; "
-            f"use more GPUs or larger ones" + (", or keep the weights packed" if resident is dequantized else "")
+            + fix + (", or keep the weights packed" if resident is dequantized else "")
         )
 
     per_tok = token_bytes(cfg, inputs.kv_format, inputs.index_format)
     fixed = fixed_bytes(cfg, inputs.kv_format, slots, inputs.reserved_slots)
     req = request_bytes(cfg, inputs.context_len, inputs.kv_format, inputs.index_format, slots, inputs.reserved_slots)
-    without = inputs.num_gpus * (budget // req.device_without_tier)
-    with_tier = inputs.num_gpus * (budget // req.device_with_tier)
+    # Each group of `kv_copies` GPUs (an attention-TP group; one GPU without TP) holds one set of requests.
+    groups = inputs.num_gpus // inputs.kv_copies
+    per_gpu_without, per_gpu_with = budget // req.device_without_tier, budget // req.device_with_tier
+    without, with_tier = groups * per_gpu_without, groups * per_gpu_with
     if without == 0 and with_tier == 0:
         raise PlanError(
             f"a single request of {inputs.context_len} tokens does not fit on one GPU: it needs "
@@ -705,10 +818,15 @@ def plan(cfg: ModelConfig, inputs: PlanInputs) -> Plan:
         notes.append(f"the hot buffer ({slots} + {inputs.reserved_slots} slots) is at least as large as the "
                      f"{c4_entries} C4 entries of a request: at this context the tier saves no device memory")
 
-    host_needed = with_tier * req.host_with_tier
+    if inputs.kv_copies > 1:
+        notes.append(f"attention-TP {inputs.kv_copies}: every rank of a TP group holds the whole KV of the group's "
+                     f"requests, so the node holds 1/{inputs.kv_copies} of the summed budgets in distinct KV, and each "
+                     f"rank keeps its own host copy of the C4 entries ({inputs.kv_copies} copies)")
+    host_per_request = req.host_with_tier * inputs.kv_copies
+    host_needed = with_tier * host_per_request
     host_limited = None
     if inputs.host_memory_bytes is not None:
-        by_host = inputs.host_memory_bytes // req.host_with_tier if req.host_with_tier else with_tier
+        by_host = inputs.host_memory_bytes // host_per_request if host_per_request else with_tier
         host_limited = min(with_tier, by_host)
         if host_needed > inputs.host_memory_bytes:
             notes.append(
@@ -730,11 +848,15 @@ def plan(cfg: ModelConfig, inputs: PlanInputs) -> Plan:
         dequantized_weights=dequantized,
         weight_bytes=weight_bytes,
         weight_bytes_per_gpu=weight_per_gpu,
+        rank_weights=rank_weights,
+        rank_dequantized_weights=rank_dequantized,
         activation_reserve_bytes_per_gpu=reserve,
         kv_budget_bytes_per_gpu=budget,
         bytes_per_token=per_tok,
         fixed_bytes_per_request=fixed,
         request_bytes=req,
+        requests_per_gpu_without_tier=per_gpu_without,
+        requests_per_gpu_with_tier=per_gpu_with,
         requests_without_tier=without,
         requests_with_tier=with_tier,
         host_bytes_needed=host_needed,
