@@ -36,6 +36,7 @@ from cluster.affinity import PrefixAffinity
 from cluster.prefill_actor import ACTOR_GONE
 from cluster.protocol import (
     COLLECTIVE_TRANSPORTS,
+    NAMESPACE,
     DecodeTarget,
     PrefillOutcome,
     Report,
@@ -150,6 +151,9 @@ class Member:
     """Set when the actor dies or hangs (wakes the attempts waiting on it)."""
     orphans: set[str] = field(default_factory=set)
     """Keys moved away when the actor looked dead: if it was only unreachable, they are aborted when it answers."""
+    pending_pages: int = 0
+    """Decode: pages this frontend is reserving there right now (not yet in its report), so that requests
+    arriving together spread over equally free actors instead of all asking the first."""
 
     @property
     def usable(self) -> bool:
@@ -230,6 +234,7 @@ class Frontend:
             m.info = await asyncio.wait_for(_await(m.handle.ready.remote()), 10.0)
         except (*ACTOR_GONE, asyncio.TimeoutError):
             await asyncio.sleep(0.5)
+            await self._refresh_handle(m)
             return
         log.info("%s answers again; it rejoins", m.name)
         if self.affinity is not None and any(x is m for x in self.prefill):
@@ -240,6 +245,17 @@ class Frontend:
             m.handle.abort.remote(list(m.orphans))
             m.orphans = set()
         self._room.set()  # requests waiting for a live actor go on
+
+    @staticmethod
+    async def _refresh_handle(m: Member) -> None:
+        """A replica's ranks are rebuilt as new actors under the same names: look the name up again."""
+        try:
+            handle = await asyncio.to_thread(ray.get_actor, m.name, namespace=NAMESPACE)
+        except ValueError:  # no actor of that name (yet)
+            return
+        if handle._actor_id != m.handle._actor_id:
+            log.info("%s is a new actor now; following it", m.name)
+            m.handle = handle
 
     def _deliver(self, m: Member, msg: StepMessage) -> None:
         for key, delta in msg.deltas.items():
@@ -344,12 +360,16 @@ class Frontend:
                 live = [m for m in self.decode if m.usable and m.name not in exclude] or [m for m in self.decode if m.usable]
                 self._room.clear()
                 fits = [m for m in live if self._might_fit(m, self.pages_needed(m, reserve_tokens))]
-                for m in sorted(fits, key=lambda m: -(m.report.pages_free if m.report else 0)):
+                for m in sorted(fits, key=lambda m: m.pending_pages - (m.report.pages_free if m.report else 0)):
+                    pages = self.pages_needed(m, reserve_tokens)
+                    m.pending_pages += pages
                     try:
                         ok, m.report = await _await(m.handle.reserve.remote(self.id, key, reserve_tokens))
                     except ACTOR_GONE:
                         self._lose(m, f"decode actor {m.name} died", dead=True)
                         continue
+                    finally:
+                        m.pending_pages -= pages
                     if ok:
                         m.keys.add(key)
                         return m

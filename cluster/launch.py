@@ -21,6 +21,8 @@ import ray
 from cluster.decode_actor import DecodeActor
 from cluster.prefill_actor import PrefillActor
 from cluster.protocol import COLLECTIVE_TRANSPORTS, NAMESPACE, ROLE_DECODE, ROLE_PREFILL, TRANSPORTS
+from cluster.replica import ReplicaSupervisor, create_replica, kill_replica, rank_names
+from core.parallel import ParallelLayout
 from core.roles import ClusterConfig, ServeConfig
 
 log = logging.getLogger(__name__)
@@ -73,8 +75,11 @@ def stop_ray() -> None:
 class Actors:
     prefill: list = field(default_factory=list)
     decode: list = field(default_factory=list)
+    """Decode actors; with replicas of several ranks, every rank of every replica."""
     prefill_info: list[dict] = field(default_factory=list)
     decode_info: list[dict] = field(default_factory=list)
+    supervisor: ReplicaSupervisor | None = None
+    """Rebuilds decode replicas whose ranks die (only when this process created replicas)."""
 
 
 def _options(role: str, cfg: ClusterConfig, name: str) -> dict:
@@ -88,8 +93,13 @@ def _options(role: str, cfg: ClusterConfig, name: str) -> dict:
 
 
 def actor_names(cfg: ServeConfig, prefix: str) -> tuple[list[str], list[str]]:
+    """Names of the prefill actors and of the decode actors (every rank of every decode replica)."""
     c = cfg.cluster
-    return [f"{prefix}-prefill-{i}" for i in range(c.num_prefill)], [f"{prefix}-decode-{i}" for i in range(c.num_decode)]
+    layout = ParallelLayout.parse(c.decode_layout)
+    decode = [f"{prefix}-decode-{i}" for i in range(c.num_decode)]
+    if not layout.single:
+        decode = [name for base in decode for name in rank_names(base, layout)]
+    return [f"{prefix}-prefill-{i}" for i in range(c.num_prefill)], decode
 
 
 def create_actors(model: str, cfg: ServeConfig, eos_ids: tuple[int, ...], prefix: str = "hisparse",
@@ -108,11 +118,27 @@ def create_actors(model: str, cfg: ServeConfig, eos_ids: tuple[int, ...], prefix
         out.prefill.append(pcls.options(**_options(ROLE_PREFILL, cluster, name)).remote(
             model, cfg.prefill, name, threads, eos_ids, cfg.deadlines, cluster.transport, cfg.faults, cfg.stub, cfg.weights,
             kv_format=cfg.kv_format))
-    for name in dnames:
-        threads = max(1, int(cluster.decode_num_cpus))
-        out.decode.append(dcls.options(**_options(ROLE_DECODE, cluster, name)).remote(
-            model, cfg.tier, name, threads, eos_ids, cfg.deadlines, cfg.faults, cfg.stub, cfg.weights, cfg.step,
-            kv_format=cfg.kv_format))
+    threads = max(1, int(cluster.decode_num_cpus))
+    layout = ParallelLayout.parse(cluster.decode_layout)
+    if layout.single:
+        for name in dnames:
+            out.decode.append(dcls.options(**_options(ROLE_DECODE, cluster, name)).remote(
+                model, cfg.tier, name, threads, eos_ids, cfg.deadlines, cfg.faults, cfg.stub, cfg.weights, cfg.step,
+                kv_format=cfg.kv_format))
+    else:
+        def build(base: str):
+            def args_for(name: str) -> tuple:
+                return model, cfg.tier, name, threads, eos_ids, cfg.deadlines, cfg.faults, cfg.stub, cfg.weights, cfg.step
+
+            return create_replica(dcls, base, _options(ROLE_DECODE, cluster, base), args_for,
+                                  {"kv_format": cfg.kv_format}, cluster, timeout_s)
+
+        replicas = {}
+        for i in range(cluster.num_decode):
+            base = f"{prefix}-decode-{i}"
+            replicas[base] = build(base)
+            out.decode += replicas[base][0]
+        out.supervisor = ReplicaSupervisor(replicas, build, cluster.max_restarts)
     _wait_ready(out, cluster, timeout_s)
     if cluster.transport in COLLECTIVE_TRANSPORTS:
         from ray.experimental.collective import create_collective_group
@@ -147,6 +173,10 @@ def _wait_ready(out: Actors, cluster: ClusterConfig, timeout_s: float) -> None:
 
 
 def kill_actors(actors: Actors) -> None:
+    if actors.supervisor is not None:
+        actors.supervisor.stop()
+        for ranks, pg in actors.supervisor.replicas.values():
+            kill_replica(ranks, pg)
     for a in actors.prefill + actors.decode:
         try:
             ray.kill(a, no_restart=True)

@@ -29,14 +29,15 @@ ACTOR_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
 def load_model_for_actor(model_spec: str, num_threads: int, stub: StubConfig | None = None, weights: str = "packed",
-                         kv_format: str = "auto"):
+                         kv_format: str = "auto", shard=None):
     import torch
 
+    from core.parallel import WHOLE
     from model.builtin import resolve_model_dir
     from model.loader import load_model
 
     torch.set_num_threads(max(1, num_threads))
-    model = load_model(resolve_model_dir(model_spec), weights=weights, kv_format=kv_format)
+    model = load_model(resolve_model_dir(model_spec), weights=weights, kv_format=kv_format, shard=shard or WHOLE)
     if stub is not None:
         from model.stub import StubModel
 

@@ -13,6 +13,7 @@ import ray
 
 from cluster.frontend import Frontend, Output
 from cluster.launch import Actors, create_actors, kill_actors, lookup_actors, start_ray
+from core.parallel import ParallelLayout
 from core.roles import ServeConfig
 from core.types import GenerateRequest, TokenEvent
 from model.builtin import resolve_model_dir
@@ -31,6 +32,7 @@ class Service:
         self.model_cfg = load_config(self.model_dir, name=config.server.served_model_name or
                                      ("tiny" if config.model == "tiny" else self.model_dir.name))
         self.tokenizer: Tokenizer | None = load_tokenizer(self.model_dir)
+        ParallelLayout.parse(config.cluster.decode_layout).check(self.model_cfg)  # a clear error before any actor starts
         self.eos_ids = end_of_sequence_ids(self.model_dir, self.model_cfg, self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.actors: Actors | None = None
         self.frontend: Frontend | None = None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from core.parallel import ParallelLayout
+
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -156,7 +158,13 @@ class ClusterConfig:
     num_prefill: int = 1
     """Prefill actors."""
     num_decode: int = 1
-    """Decode actors."""
+    """Decode actors, or with `decode_layout` of more than one rank, decode replicas."""
+    decode_layout: str = "dp1"
+    """How one decode replica splits the model (`core.parallel.ParallelLayout`): `dp1` (one actor, the whole
+    model), `dp2+ep2` (two ranks, each attending for its own requests, routed experts split between
+    them), ... Each rank is a decode actor with `decode_num_cpus` / `decode_num_gpus`; a replica's ranks
+    share one placement group on one node. Attention-TP is not offered for decode (it copies the KV to
+    every rank)."""
     prefill_num_cpus: float = 1.0
     """CPUs each prefill actor reserves."""
     decode_num_cpus: float = 1.0
@@ -174,6 +182,12 @@ class ClusterConfig:
     transport: str = "object_store"
     """Handoff transport: `object_store` (default), or Ray's direct tensor transport: `nccl`/`nixl` (GPUs),
     `gloo` (CPUs)."""
+
+    def __post_init__(self) -> None:
+        layout = ParallelLayout.parse(self.decode_layout)
+        if layout.tp > 1:
+            raise ValueError(f"decode layout {self.decode_layout!r}: attention-TP copies every request's KV to each "
+                             "of its ranks; decode replicas split by DP attention (dpN, dpN+epN)")
 
 
 @dataclass(frozen=True)

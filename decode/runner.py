@@ -53,6 +53,12 @@ class StepRunner:
         wanted = self.cfg.decode_mode
         if wanted == "auto":
             wanted = "compiled" if model.device.type == "cuda" else "eager"
+        if wanted == "compiled" and getattr(model, "comm", None) is not None:
+            log.warning("a replica rank's step holds collectives; decoding eagerly")
+            wanted = "eager"
+        if wanted == "compiled" and not hasattr(model, "decode_forward"):
+            log.warning("%s has no fixed-shape step; decoding eagerly", type(model).__name__)
+            wanted = "eager"
         self.fixed = wanted == "compiled" and store.step_view([], 1) is not None
         if wanted == "compiled" and not self.fixed:
             log.warning("%s cannot run fixed-shape steps; decoding eagerly", type(store).__name__)

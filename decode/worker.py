@@ -94,6 +94,11 @@ class InjectedFault(RuntimeError):
     """Raised by a step that holds a request carrying an injected `poison` fault."""
 
 
+class ReplicaBroken(RuntimeError):
+    """A step failed on a rank of an expert-parallel replica: the replica's collectives no longer line up,
+    so the rank cannot go on (its actor exits and the replica is rebuilt; its requests are prefilled again)."""
+
+
 class DecodeWorker:
     def __init__(self, model: V4Model, store: KVStore, max_running: int = 64, eos_ids: tuple[int, ...] | None = None,
                  check_when_idle: bool = True, faults: FaultConfig | None = None,
@@ -108,6 +113,10 @@ class DecodeWorker:
         self.faults = faults or FaultConfig()
         self.waiting: deque[DecodeRequest] = deque()
         self.running: dict[str, _Running] = {}
+        self.lockstep = False
+        """Step in lockstep with the ranks of the model's expert-parallel replica (`join_replica`)."""
+        self.last_rounds: int | None = None
+        """Forwards the replica ran in the last lockstep step (0: nobody had work)."""
         self.reserved: dict[str, _Reservation] = {}
         self.arrivals: deque[DecodeRequest] = deque()
         self.failures: list[Failure] = []
@@ -232,18 +241,35 @@ class DecodeWorker:
 
     # the step ------------------------------------------------------------------------------------
 
+    def join_replica(self) -> None:
+        """Step in lockstep with the other ranks of the model's replica from now on (`model.comm`, expert
+        parallel): every step, the ranks agree on how many forwards the busiest of them runs, and a rank
+        with fewer runs idle forwards for the rest, so every MoE exchange finds all ranks."""
+        if self.model.comm is None or self.model.comm.ep == 1:
+            raise ValueError("lockstep needs a model attached to an expert-parallel replica")
+        self.lockstep = True
+
     def step(self) -> list[TokenEvent]:
         """Admit what arrived or fits, decode one token for every running request; returns the new tokens.
         Requests that failed are collected by `take_failures`."""
         self._admit()
-        if not self.running:
-            self._check_if_idle()
-            return []
         solo = [rid for rid, run in self.running.items() if run.req.solo]
         batch = [rid for rid, run in self.running.items() if not run.req.solo]
+        groups = ([batch] if batch else []) + [[rid] for rid in solo]
+        rounds = len(groups)
+        if self.lockstep:
+            self.last_rounds = rounds = max(self.model.comm.gather(len(groups)))
+        if not self.running:
+            for _ in range(rounds):
+                self.model.idle_forward()
+            if not self.lockstep or rounds:
+                self._check_if_idle()
+            return []
         events = []
-        for ids in ([batch] if batch else []) + [[rid] for rid in solo]:
+        for ids in groups:
             events += self._decode(ids)
+        for _ in range(rounds - len(groups)):
+            self.model.idle_forward()
         self.steps += 1
         self.tokens_out += len(events)
         self._check_if_idle()
@@ -256,6 +282,8 @@ class DecodeWorker:
             logits = self.runner.run(ids, [r.last_token for r in runs])
             toks = sample(logits, [r.req.sampling for r in runs], [r.req.seed for r in runs], [r.num_generated for r in runs])
         except Exception as e:
+            if self.lockstep:
+                raise ReplicaBroken(f"a decode step failed on a replica rank: {type(e).__name__}: {e}") from e
             # The step may have written part of these requests' state: drop them all, each to be prefilled again.
             self.failed_steps += 1
             log.exception("decode step over %d request(s) failed; failing them", len(ids))

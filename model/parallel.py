@@ -28,6 +28,10 @@ from core.config import ModelConfig
 from core.parallel import ParallelLayout, Shard
 from kernels.formats import FP8_BLOCK
 
+# torch 2.13 names the single-tensor collectives `*_single` (the `*_tensor` spellings warn); older ones lack them
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 META = "meta_all_gather"
 TP_ALL_REDUCE = "tp_all_reduce"
 EP_ALL_GATHER = "ep_all_gather"
@@ -98,14 +102,18 @@ class Comm:
 
     # ------------------------------------------------------------------------------------- per step
 
-    def sync_rows(self, rows: int) -> list[int]:
-        """All ranks' row counts for the coming step (one gloo all_gather); the next `begin_forward` uses
-        them instead of gathering again. A step loop calls this on every rank to decide who idles."""
-        mine = torch.tensor([rows], dtype=torch.long)
+    def gather(self, value: int) -> list[int]:
+        """Every rank's `value` (one gloo all_gather of one integer)."""
+        mine = torch.tensor([value], dtype=torch.long)
         out = torch.empty(self.layout.world, dtype=torch.long)
-        dist.all_gather_into_tensor(out, mine, group=self.meta_group)
+        _all_gather(out, mine, group=self.meta_group)
         self.stats.add(META, mine)
-        self._pending = out.tolist()
+        return out.tolist()
+
+    def sync_rows(self, rows: int) -> list[int]:
+        """All ranks' row counts for the coming forward; the next `begin_forward` uses them instead of
+        gathering again. A step loop calls this on every rank to decide who idles."""
+        self._pending = self.gather(rows)
         return self._pending
 
     def begin_forward(self, rows: int) -> None:
@@ -145,12 +153,12 @@ class Comm:
         send[:n, hidden:hidden + k] = idx
         send[:n, hidden + k:] = weights
         gathered = torch.empty(self.ep * most, hidden + 2 * k, dtype=torch.float32, device=x.device)
-        dist.all_gather_into_tensor(gathered, send, group=self.ep_group)
+        _all_gather(gathered, send, group=self.ep_group)
         self.stats.add(EP_ALL_GATHER, send)
         y = experts(gathered[:, :hidden].to(x.dtype), gathered[:, hidden:hidden + k].long(),
                     gathered[:, hidden + k:].to(weights.dtype))  # [ranks * most, hidden], zero for padding rows
         out = torch.empty(most, hidden, dtype=y.dtype, device=y.device)
-        dist.reduce_scatter_tensor(out, y.contiguous(), group=self.ep_group)
+        _reduce_scatter(out, y.contiguous(), group=self.ep_group)
         self.stats.add(EP_REDUCE_SCATTER, y)
         return out[:n].to(x.dtype)
 
