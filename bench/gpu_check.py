@@ -14,6 +14,8 @@ The checks:
 - `decode_graphs`: the built-in model decoding on the device through the tiered store (tier on
   and off), eager versus `decode_mode=compiled` (one CUDA graph per bucket, captured and
   replayed): identical tokens, graphs captured, capture seconds, step times, kernels per eager step;
+- `parallel_nccl`: replicas over nccl, one GPU per rank, for every layout the GPUs allow (DP2+EP2, TP2,
+  DP4+EP4, DP2xTP2+EP4, DP8+EP8): logits against one GPU, step times, collectives per step;
 - `packed_weights`: the packed-weight kernels (`bench.gpu_check_weights --quick`: FP8 linears, FP4
   experts, the real-format checkpoint, compiled packed modules, TFLOP/s at V4-Flash shapes).
 
@@ -228,6 +230,41 @@ def packed_weights() -> dict:
 
     results = checks(quick=True)
     return {"ok": all(c["ok"] is not False for c in results), "checks": results}
+
+
+@check
+def parallel_nccl() -> dict:
+    """Replicas over nccl, one GPU per rank (`bench.parallel`): every layout the GPUs allow against one GPU
+    running the same requests; logits within 1e-3 (bf16-free fp32 model), tokens/s and collectives per step."""
+    from bench.parallel import run_ranks
+    from core.parallel import ParallelLayout
+    from model.builtin import ensure_builtin
+
+    gpus = torch.cuda.device_count()
+    model_dir = str(ensure_builtin())
+    batch, context, steps = 8, 256, 20
+    out: dict = {"gpus": gpus, "layouts": {}}
+    layouts = [t for t in ("dp2+ep2", "tp2", "dp4+ep4", "dp2xtp2+ep4", "dp8+ep8") if ParallelLayout.parse(t).world <= gpus]
+    ok = True
+    for text in layouts or ["dp1"]:
+        layout = ParallelLayout.parse(text)
+        single = run_ranks("dp1", model_dir, batch * layout.dp, context, steps, "cuda")[0]
+        ranks = run_ranks(text, model_dir, batch, context, steps, "cuda")
+        diff = 0.0
+        for d in range(layout.dp):
+            rows = slice(d * batch, (d + 1) * batch)
+            for got, want in zip(ranks[d * layout.tp]["logits"], single["logits"]):
+                diff = max(diff, float((got - want[rows]).abs().max()))
+        seconds = max(r["seconds"] for r in ranks)
+        out["layouts"][text] = {
+            "max_abs_logit_diff": diff, "ok": diff <= 1e-3,
+            "one_gpu_step_ms": round(single["seconds"] / steps * 1e3, 3),
+            "replica_step_ms": round(seconds / steps * 1e3, 3),
+            "collective_calls_per_step": {k: v / steps for k, v in ranks[0]["stats"]["calls"].items()},
+        }
+        ok = ok and diff <= 1e-3
+    out["ok"] = ok
+    return out
 
 
 def main() -> None:
