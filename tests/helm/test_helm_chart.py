@@ -538,7 +538,7 @@ def test_lint_fails_on_a_bad_value(helm):
         (("prefill.replicas=0", "prefill.minReplicas=1"), "prefill.replicas (0) must lie between"),
         (("decode.actorsPerPod=3",), "do not fit in decode.cpu=2"),
         (("prefill.actorGpus=1",), "do not fit in prefill.gpus=0"),
-        (("serve.numDecode=2",), "decode actors never fit"),
+        (("serve.numDecode=2",), "decode replicas never fit"),
         (("serve.transport=nccl",), "serve.transport=nccl moves tensors GPU to GPU"),
     ],
 )

@@ -5,6 +5,8 @@ deadline values accept exactly what hisparse accepts.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 from helm_chart_support import chart_schema, find, gateway_container, parse_serve, serve_args
@@ -114,3 +116,26 @@ def test_schema_takes_the_deadlines_hisparse_takes(value):
         except ValueError:
             takes = False
         assert jsonschema.Draft7Validator(serve[name]).is_valid(value) == takes, (name, value, takes)
+
+
+def test_decode_replicas_of_several_ranks_share_a_pod(helm):
+    """decode.layout reaches --decode-layout; a pod hosts whole replicas, so --num-decode counts replicas
+    (pods x actorsPerPod / ranks) and every rank's GPU is requested by the pod."""
+    sets = ("decode.layout=dp4+ep4", "decode.actorsPerPod=4", "decode.actorGpus=1", "decode.gpus=4",
+            "decode.cpu=4", "decode.replicas=2", "decode.maxReplicas=2")
+    docs = helm.render(sets=sets)
+    c = parse_serve(serve_args(docs)).cluster
+    assert (c.decode_layout, c.num_decode, c.decode_num_gpus) == ("dp4+ep4", 2, 1.0)
+    group = next(g for g in find(docs, "RayCluster")["spec"]["workerGroupSpecs"] if g["groupName"].startswith("decode"))
+    container = group["template"]["spec"]["containers"][0]
+    assert str(container["resources"]["limits"]["nvidia.com/gpu"]) == "4"
+    assert json.loads(group["rayStartParams"]["resources"].strip("'"))["hisparse_decode"] == 4
+
+
+@pytest.mark.parametrize("sets,message", [
+    (("decode.layout=dp2+ep2", "decode.actorsPerPod=3", "decode.cpu=3"), "multiple of 2"),
+    (("decode.layout=tp2",), "decode.layout"),
+])
+def test_decode_layout_the_pods_cannot_hold_is_refused(helm, sets, message):
+    proc = helm.template_raw(sets=sets)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
