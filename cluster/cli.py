@@ -151,7 +151,7 @@ def serve_config(args: argparse.Namespace):
         stub=stub,
         cluster=ClusterConfig(
             address=args.address, num_prefill=args.num_prefill, num_decode=args.num_decode,
-            decode_layout=args.decode_layout,
+            prefill_layout=args.prefill_layout, decode_layout=args.decode_layout,
             prefill_num_cpus=args.prefill_num_cpus, decode_num_cpus=args.decode_num_cpus,
             prefill_num_gpus=args.prefill_num_gpus, decode_num_gpus=args.decode_num_gpus,
             placement=args.placement or ("any" if args.address is None else "resources"),
@@ -235,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--num-prefill", type=int, default=1, help="prefill actors (default 1)")
     c.add_argument("--num-decode", type=int, default=1,
                    help="decode actors (default 1), or decode replicas with a --decode-layout of several ranks")
+    c.add_argument("--prefill-layout", default="dp1", metavar="LAYOUT",
+                   help="how one prefill replica splits the model over its ranks, like --decode-layout (default dp1)")
     c.add_argument("--decode-layout", default="dp1", metavar="LAYOUT",
                    help="how one decode replica splits the model over its ranks (one device and one actor each): "
                         "dp1 (default: one rank, the whole model), dp2, dp8+ep8 (DP attention, routed experts split "

@@ -32,18 +32,16 @@ import ray
 from cachetier.layout import layout_format, unpack_layout
 from cachetier.store import IntegrityError
 from cluster.protocol import Handoff, Outbox, Report, RequestGone, StepMessage
+from cluster.replica import ReplicaRank
 from cluster.steploop import StepThread, on_thread
 from core.roles import POLL_INTERVAL_S, DeadlineConfig, FaultConfig, StepConfig, StubConfig, TierConfig
 from core.types import HisparseError
 
 log = logging.getLogger(__name__)
 
-REPLICA_IDLE_WAIT_S = 0.02
-"""How long an idle rank of an expert-parallel replica waits before asking its peers again: the most a
-request arriving at another rank of an idle replica waits for this one."""
 
 
-class DecodeActor:
+class DecodeActor(ReplicaRank):
     def __init__(self, model_spec: str, tier: TierConfig, name: str, num_threads: int = 1,
                  eos_ids: tuple[int, ...] | None = None, deadlines: DeadlineConfig | None = None,
                  faults: FaultConfig | None = None, stub: StubConfig | None = None, weights: str = "packed",
@@ -51,19 +49,13 @@ class DecodeActor:
                  rank: int = 0) -> None:
         from cachetier.store import TieredStore
         from cluster.prefill_actor import load_model_for_actor
-        from core.parallel import WHOLE, ParallelLayout
         from decode.worker import DecodeWorker
 
-        self.layout = ParallelLayout.parse(layout) if layout else None
-        self.rank = rank
+        shard = self._init_rank(layout, rank)
         if self.layout is not None and stub is not None:
             raise HisparseError("a stand-in step (--stub-step-ms) runs no model, so it cannot be split over a replica")
-        shard = self.layout.shard(rank) if self.layout is not None else WHOLE
         model = load_model_for_actor(model_spec, num_threads, stub, weights, kv_format, shard=shard)
         self.model = model
-        self._joined = asyncio.Event()
-        if self.layout is None:
-            self._joined.set()
         self.name = name
         self.deadlines = deadlines or DeadlineConfig()
         self.store = TieredStore(model.cfg, tier, dtype=model.dtype, device=model.device)
@@ -82,28 +74,18 @@ class DecodeActor:
         self.dropped_subscribers = 0
         self._stats: dict = {}
         self._sweeper: asyncio.Task | None = None
-        self.thread = StepThread(f"decode-{name}", lambda: self.worker.lockstep or self.worker.has_work(),
-                                 self._step, self._tick)
+        self.thread = StepThread(f"decode-{name}", self._has_work, self._step, self._tick)
 
     # the step thread -----------------------------------------------------------------------------
 
     def _step(self) -> None:
-        from decode.worker import ReplicaBroken
-
         try:
-            events = self.worker.step()
+            events = self._run_step(self.worker.step)
         except IntegrityError as e:  # the idle integrity check failed: count it, keep serving
             self.integrity_errors += 1
             log.error("integrity check failed on an idle decode worker: %s", e)
             events = []
-        except ReplicaBroken:
-            log.exception("rank %d of replica %s cannot go on; exiting so that the replica is rebuilt", self.rank, self.name)
-            os._exit(1)
         self._route(events, self.worker.take_failures())
-        if self.worker.lockstep and self.worker.last_rounds == 0:
-            # nobody in the replica had work: wait a little (a call for this rank wakes it at once)
-            self.thread.wake.wait(REPLICA_IDLE_WAIT_S)
-            self.thread.wake.clear()
 
     def _route(self, events, failures) -> None:
         """Put this step's output into its owners' outboxes and wake their polls (one wake per step)."""
@@ -143,33 +125,6 @@ class DecodeActor:
 
     # calls ---------------------------------------------------------------------------------------
 
-    async def address(self) -> str:
-        """A rendezvous address on this actor's node (rank 0 of a replica: the others join it here)."""
-        from model.parallel import free_port
-
-        host = ray.util.get_node_ip_address()
-        return f"tcp://{host}:{free_port(host)}"
-
-    async def join(self, address: str, timeout_s: float = 300.0) -> dict:
-        """Join the replica's process group at `address` (every rank at once); returns the collectives' shape."""
-        from model.parallel import Comm
-
-        def run() -> dict:
-            comm = Comm.open(self.layout, self.rank, address, device=self.model.device, timeout_s=timeout_s)
-            self.model.attach(comm)
-            if comm.ep > 1:
-                self.worker.join_replica()
-            return {"rank": self.rank, "layout": self.layout.describe(), "shard": str(comm.shard)}
-
-        info = await on_thread(self.thread, run)
-        self._joined.set()
-        log.info("%s joined replica %s as rank %d", self.name, self.layout.describe(), self.rank)
-        return info
-
-    async def watch(self) -> None:
-        """Never returns while the actor lives: a supervisor waits on it to learn of the actor's death."""
-        await asyncio.Event().wait()
-
     async def ready(self) -> dict:
         self.loop = asyncio.get_running_loop()
         await self._joined.wait()  # a replica rank serves only once its replica is whole
@@ -177,8 +132,7 @@ class DecodeActor:
             self._sweeper = self.loop.create_task(self._sweep_subscribers())
         info = {"name": self.name, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "geometry": self.store.geo.describe(), "max_running": self.worker.max_running, "layout_format": self.format}
-        if self.layout is not None:
-            info.update(replica=self.layout.describe(), rank=self.rank)
+        info.update(self._rank_info())
         return info
 
     def report(self) -> Report:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from functools import partial
 
 import ray
 
@@ -92,14 +93,18 @@ def _options(role: str, cfg: ClusterConfig, name: str) -> dict:
     return opts
 
 
+def _role_names(prefix: str, role: str, count: int, layout_text: str) -> list[str]:
+    """Actor names of a role: `prefix-role-i`, or per rank `prefix-role-i-rR` for replicas of several ranks."""
+    layout = ParallelLayout.parse(layout_text)
+    bases = [f"{prefix}-{role}-{i}" for i in range(count)]
+    return bases if layout.single else [name for base in bases for name in rank_names(base, layout)]
+
+
 def actor_names(cfg: ServeConfig, prefix: str) -> tuple[list[str], list[str]]:
-    """Names of the prefill actors and of the decode actors (every rank of every decode replica)."""
+    """Names of the prefill and of the decode actors (every rank of every replica)."""
     c = cfg.cluster
-    layout = ParallelLayout.parse(c.decode_layout)
-    decode = [f"{prefix}-decode-{i}" for i in range(c.num_decode)]
-    if not layout.single:
-        decode = [name for base in decode for name in rank_names(base, layout)]
-    return [f"{prefix}-prefill-{i}" for i in range(c.num_prefill)], decode
+    return (_role_names(prefix, "prefill", c.num_prefill, c.prefill_layout),
+            _role_names(prefix, "decode", c.num_decode, c.decode_layout))
 
 
 def create_actors(model: str, cfg: ServeConfig, eos_ids: tuple[int, ...], prefix: str = "hisparse",
@@ -112,33 +117,36 @@ def create_actors(model: str, cfg: ServeConfig, eos_ids: tuple[int, ...], prefix
     pcls = ray.remote(enable_tensor_transport=True)(PrefillActor) if direct else ray.remote(PrefillActor)
     dcls = ray.remote(enable_tensor_transport=True)(DecodeActor) if direct else ray.remote(DecodeActor)
     out = Actors()
-    pnames, dnames = actor_names(cfg, prefix)
-    for name in pnames:
-        threads = max(1, int(cluster.prefill_num_cpus))
-        out.prefill.append(pcls.options(**_options(ROLE_PREFILL, cluster, name)).remote(
-            model, cfg.prefill, name, threads, eos_ids, cfg.deadlines, cluster.transport, cfg.faults, cfg.stub, cfg.weights,
-            kv_format=cfg.kv_format))
-    threads = max(1, int(cluster.decode_num_cpus))
-    layout = ParallelLayout.parse(cluster.decode_layout)
-    if layout.single:
-        for name in dnames:
-            out.decode.append(dcls.options(**_options(ROLE_DECODE, cluster, name)).remote(
-                model, cfg.tier, name, threads, eos_ids, cfg.deadlines, cfg.faults, cfg.stub, cfg.weights, cfg.step,
-                kv_format=cfg.kv_format))
-    else:
-        def build(base: str):
-            def args_for(name: str) -> tuple:
-                return model, cfg.tier, name, threads, eos_ids, cfg.deadlines, cfg.faults, cfg.stub, cfg.weights, cfg.step
+    pthreads, dthreads = max(1, int(cluster.prefill_num_cpus)), max(1, int(cluster.decode_num_cpus))
 
-            return create_replica(dcls, base, _options(ROLE_DECODE, cluster, base), args_for,
-                                  {"kv_format": cfg.kv_format}, cluster, timeout_s)
+    def prefill_args(name: str) -> tuple:
+        return (model, cfg.prefill, name, pthreads, eos_ids, cfg.deadlines, cluster.transport, cfg.faults, cfg.stub,
+                cfg.weights)
 
-        replicas = {}
-        for i in range(cluster.num_decode):
-            base = f"{prefix}-decode-{i}"
-            replicas[base] = build(base)
-            out.decode += replicas[base][0]
-        out.supervisor = ReplicaSupervisor(replicas, build, cluster.max_restarts)
+    def decode_args(name: str) -> tuple:
+        return model, cfg.tier, name, dthreads, eos_ids, cfg.deadlines, cfg.faults, cfg.stub, cfg.weights, cfg.step
+
+    roles = (
+        (ROLE_PREFILL, "prefill", pcls, prefill_args, cluster.num_prefill, cluster.prefill_layout,
+         cluster.prefill_num_cpus, cluster.prefill_num_gpus, out.prefill),
+        (ROLE_DECODE, "decode", dcls, decode_args, cluster.num_decode, cluster.decode_layout,
+         cluster.decode_num_cpus, cluster.decode_num_gpus, out.decode),
+    )
+    replicas, builders = {}, {}
+    for role, word, cls, args_for, count, layout_text, cpus, gpus, handles in roles:
+        kwargs = {"kv_format": cfg.kv_format}
+        if ParallelLayout.parse(layout_text).single:
+            for name in _role_names(prefix, word, count, layout_text):
+                handles.append(cls.options(**_options(role, cluster, name)).remote(*args_for(name), **kwargs))
+            continue
+        for i in range(count):
+            base = f"{prefix}-{word}-{i}"
+            builders[base] = partial(create_replica, cls, base, _options(role, cluster, base), args_for, kwargs,
+                                     layout_text, cpus, gpus, timeout_s)
+            replicas[base] = builders[base]()
+            handles += replicas[base][0]
+    if replicas:
+        out.supervisor = ReplicaSupervisor(replicas, builders, cluster.max_restarts)
     _wait_ready(out, cluster, timeout_s)
     if cluster.transport in COLLECTIVE_TRANSPORTS:
         from ray.experimental.collective import create_collective_group

@@ -20,6 +20,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from cachetier.layout import layout_format, pack_layout
 from cluster.protocol import DecodeTarget, Handoff, PrefillOutcome, StepFailure, WorkerLost
+from cluster.replica import ReplicaRank
 from cluster.steploop import StepThread, resolve
 from core.roles import DeadlineConfig, FaultConfig, PrefillConfig, StubConfig
 from core.types import DeadlineExceeded, HisparseError
@@ -45,16 +46,20 @@ def load_model_for_actor(model_spec: str, num_threads: int, stub: StubConfig | N
     return model
 
 
-class PrefillActor:
+class PrefillActor(ReplicaRank):
     def __init__(self, model_spec: str, config: PrefillConfig, name: str, num_threads: int = 1,
                  eos_ids: tuple[int, ...] | None = None, deadlines: DeadlineConfig | None = None,
                  transport: str = "object_store", faults: FaultConfig | None = None, stub: StubConfig | None = None,
-                 weights: str = "packed", kv_format: str = "auto") -> None:
+                 weights: str = "packed", kv_format: str = "auto", layout: str | None = None, rank: int = 0) -> None:
         import dataclasses
 
         from prefill.worker import PrefillWorker
 
-        model = load_model_for_actor(model_spec, num_threads, stub, weights, kv_format)
+        shard = self._init_rank(layout, rank)
+        if self.layout is not None and stub is not None:
+            raise HisparseError("a stand-in prefill (--stub-prefill-ms) runs no model, so it cannot be split over a replica")
+        model = load_model_for_actor(model_spec, num_threads, stub, weights, kv_format, shard=shard)
+        self.model = model
         pc = config.prefix_cache
         if pc.disk_enabled:  # one directory per actor: two actors never write the same files
             config = dataclasses.replace(config, prefix_cache=dataclasses.replace(
@@ -72,10 +77,10 @@ class PrefillActor:
         self.handoffs = 0
         self.bytes_sent = 0
         self._snapshot = {"queued_tokens": 0, "pending": 0, "tokens_in": 0, "progress": {}, "prefix_cache": None}
-        self.thread = StepThread(f"prefill-{name}", self.worker.has_work, self._step)
+        self.thread = StepThread(f"prefill-{name}", self._has_work, self._step)
 
     def _step(self) -> None:
-        results = self.worker.step()
+        results = self._run_step(self.worker.step)
         for res in results:
             packed = None
             if res.finish_reason is None:  # it goes on to decode: pack here, off the event loop
@@ -108,11 +113,12 @@ class PrefillActor:
             resolve(loop, fut, value, error)
 
     async def ready(self) -> dict:
+        await self._joined.wait()  # a replica rank serves only once its replica is whole
         cache = self.worker.prefix_cache
         return {"name": self.name, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
                 "layout_format": self.format, "prefix_page_tokens": cache.page if cache is not None else None,
                 "prefix_affinity_slack": self.config.prefix_cache.affinity_slack_tokens,
-                "prefix_pages": cache.held_pages() if cache is not None else []}
+                "prefix_pages": cache.held_pages() if cache is not None else [], **self._rank_info()}
 
     async def prefill(self, req, target: DecodeTarget | None = None) -> PrefillOutcome:
         """Prefill `req`; unless its first token ends it, hand it to `target` and return once decode holds it."""

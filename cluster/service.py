@@ -32,7 +32,8 @@ class Service:
         self.model_cfg = load_config(self.model_dir, name=config.server.served_model_name or
                                      ("tiny" if config.model == "tiny" else self.model_dir.name))
         self.tokenizer: Tokenizer | None = load_tokenizer(self.model_dir)
-        ParallelLayout.parse(config.cluster.decode_layout).check(self.model_cfg)  # a clear error before any actor starts
+        for text in (config.cluster.prefill_layout, config.cluster.decode_layout):  # a clear error before any actor starts
+            ParallelLayout.parse(text).check(self.model_cfg)
         self.eos_ids = end_of_sequence_ids(self.model_dir, self.model_cfg, self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.actors: Actors | None = None
         self.frontend: Frontend | None = None

@@ -36,6 +36,7 @@ from core.roles import FaultConfig, StepConfig
 from core.types import SampledToken, SamplingParams, TokenEvent, finish_reason
 from decode.runner import StepRunner
 from model.model import V4Model
+from model.parallel import ReplicaBroken
 from model.sampling import sample
 
 log = logging.getLogger(__name__)
@@ -92,11 +93,6 @@ class _Reservation:
 
 class InjectedFault(RuntimeError):
     """Raised by a step that holds a request carrying an injected `poison` fault."""
-
-
-class ReplicaBroken(RuntimeError):
-    """A step failed on a rank of an expert-parallel replica: the replica's collectives no longer line up,
-    so the rank cannot go on (its actor exits and the replica is rebuilt; its requests are prefilled again)."""
 
 
 class DecodeWorker:
@@ -258,7 +254,7 @@ class DecodeWorker:
         groups = ([batch] if batch else []) + [[rid] for rid in solo]
         rounds = len(groups)
         if self.lockstep:
-            self.last_rounds = rounds = max(self.model.comm.gather(len(groups)))
+            self.last_rounds = rounds = self.model.comm.rounds(len(groups))
         if not self.running:
             for _ in range(rounds):
                 self.model.idle_forward()

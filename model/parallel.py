@@ -38,6 +38,11 @@ EP_ALL_GATHER = "ep_all_gather"
 EP_REDUCE_SCATTER = "ep_reduce_scatter"
 
 
+class ReplicaBroken(RuntimeError):
+    """A step failed on a rank of an expert-parallel replica: the replica's collectives no longer line up,
+    so the rank cannot go on (its actor exits and the replica is rebuilt; its requests are prefilled again)."""
+
+
 @dataclass
 class CollectiveStats:
     """Collective calls and the bytes this rank put in, by kind, since the last `reset`."""
@@ -109,6 +114,11 @@ class Comm:
         _all_gather(out, mine, group=self.meta_group)
         self.stats.add(META, mine)
         return out.tolist()
+
+    def rounds(self, forwards: int) -> int:
+        """The most forwards any rank runs this step, given this rank's: a step loop in lockstep runs idle
+        forwards for the difference (0: nobody has work, nobody runs one)."""
+        return max(self.gather(forwards))
 
     def sync_rows(self, rows: int) -> list[int]:
         """All ranks' row counts for the coming forward; the next `begin_forward` uses them instead of

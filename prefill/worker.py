@@ -24,6 +24,7 @@ from cachetier.prefix import PrefixCache, PrefixHit
 from core.roles import PrefillConfig
 from core.types import InvalidRequestError, PromptLogprob, SampledToken, SamplingParams, finish_reason
 from model.model import V4Model
+from model.parallel import ReplicaBroken
 from model.sampling import sample
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,10 @@ class PrefillWorker:
         if prefix_cache is None and pc.enabled:
             prefix_cache = PrefixCache(model.cfg, pc, layout_format(model.cfg, model.dtype))
         self.prefix_cache = prefix_cache
+        self.lockstep = False
+        """Step in lockstep with the ranks of the model's expert-parallel replica (`join_replica`)."""
+        self.last_rounds: int | None = None
+        """Forwards the replica ran in the last lockstep step (0: nobody had work)."""
 
     def validate(self, req: PrefillRequest) -> None:
         cfg = self.model.cfg
@@ -200,10 +205,22 @@ class PrefillWorker:
                 break
         return chosen
 
+    def join_replica(self) -> None:
+        """Step in lockstep with the other ranks of the model's expert-parallel replica from now on: a rank
+        with nothing to prefill runs an idle forward whenever another rank runs a real one."""
+        if self.model.comm is None or self.model.comm.ep == 1:
+            raise ValueError("lockstep needs a model attached to an expert-parallel replica")
+        self.lockstep = True
+
     def step(self) -> list[PrefillResult]:
         """One forward over up to `max_batch_tokens` prompt tokens; returns the requests it completed.
-        If the forward fails, the requests in it are dropped and reported by `take_failures`."""
+        If the forward fails, the requests in it are dropped and reported by `take_failures` (in a replica
+        in lockstep, the rank cannot go on: `ReplicaBroken`)."""
         chosen = self._choose()
+        if self.lockstep:
+            self.last_rounds = self.model.comm.rounds(1 if chosen else 0)
+            if not chosen and self.last_rounds:
+                self.model.idle_forward()
         if not chosen:
             return []
         items = [(p.tokens[p.done : p.done + n], p.layout) for p, n in chosen]
@@ -212,6 +229,8 @@ class PrefillWorker:
             logits, layouts = self.model.prefill_batch(items, last_only=True, full_logits=full,
                                                        entry_tile=self.config.entry_tile)
         except Exception as e:
+            if self.lockstep:
+                raise ReplicaBroken(f"a prefill step failed on a replica rank: {type(e).__name__}: {e}") from e
             log.exception("prefill step over %d request(s) failed; failing them", len(chosen))
             for p, _ in chosen:
                 self._drop(p, f"a prefill step it was in failed: {type(e).__name__}: {e}")

@@ -1,7 +1,9 @@
-"""A decode replica of two ranks (DP attention + expert parallelism) on the embedded Ray, behind real HTTP.
+"""Prefill and decode replicas of two ranks each (DP attention + expert parallelism) on the embedded Ray,
+behind real HTTP.
 
-Each rank is its own decode actor holding half the routed experts; the ranks exchange MoE rows every
-step over gloo. Output must equal the single-process engine's, for requests spread over both ranks; a
+Each rank is its own actor holding half the routed experts; a replica's ranks exchange MoE rows every
+forward over gloo, idle ones included; any prefill rank hands its layouts to whichever decode rank the
+router chose. Output must equal the single-process engine's, for requests spread over both ranks; a
 rank killed mid-stream takes its replica down, the replica is built again, and every request finishes
 with the tokens it would have had.
 """
@@ -27,10 +29,10 @@ TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=4 * 2**
 @pytest.fixture(scope="module")
 def gw(tiny_dir):
     cfg = ServeConfig(model="tiny", tier=TIER, prefill=PrefillConfig(max_batch_tokens=256),
-                      cluster=ClusterConfig(placement="any", num_prefill=1, num_decode=1, decode_layout="dp2+ep2",
-                                            max_restarts=2),
+                      cluster=ClusterConfig(placement="any", num_prefill=1, num_decode=1, prefill_layout="dp2+ep2",
+                                            decode_layout="dp2+ep2", max_restarts=2),
                       server=ServerConfig(port=free_port()))
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(address="local", num_cpus=6, include_dashboard=False, _node_ip_address="127.0.0.1",
              runtime_env={"env_vars": {"HISPARSE_CACHE": str(tiny_dir.parent.parent)}})
     g = start_gateway(cfg, tiny_dir)
     yield g
@@ -78,7 +80,9 @@ def test_replica_serves_http_like_one_process(gw, tiny_model):
     stats = _member_stats(gw)
     port = gw.service.config.server.port
     assert sorted(stats) == [f"e2e{port}-decode-0-r0", f"e2e{port}-decode-0-r1"]
-    assert all(s["handoffs"] > 0 for s in stats.values()), f"the router used one rank only: {stats}"
+    assert all(s["handoffs"] > 0 for s in stats.values()), f"the router used one decode rank only: {stats}"
+    sent = [ray.get(m.handle.stats.remote(), timeout=60)["handoffs"] for m in gw.service.frontend.prefill]
+    assert len(sent) == 2 and all(n > 0 for n in sent), f"the router used one prefill rank only: {sent}"
 
 
 def test_rank_killed_mid_stream_fails_over(gw, tiny_model):
