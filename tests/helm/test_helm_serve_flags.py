@@ -139,3 +139,10 @@ def test_decode_replicas_of_several_ranks_share_a_pod(helm):
 def test_decode_layout_the_pods_cannot_hold_is_refused(helm, sets, message):
     proc = helm.template_raw(sets=sets)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+
+
+def test_prefill_replicas_reach_hisparse_serve(helm):
+    sets = ("prefill.layout=dp2+ep2", "prefill.actorsPerPod=2", "prefill.cpu=2", "prefill.replicas=2",
+            "prefill.maxReplicas=2")
+    c = parse_serve(serve_args(helm.render(sets=sets))).cluster
+    assert (c.prefill_layout, c.num_prefill, c.decode_layout) == ("dp2+ep2", 2, "dp1")

@@ -103,20 +103,20 @@ The schema already restricts the spelling; the fail below guards against bypassi
 
 {{- define "hisparse.numPrefill" -}}
 {{- if kindIs "invalid" .Values.serve.numPrefill -}}
-{{- mul (int64 .Values.prefill.replicas) (int64 .Values.prefill.actorsPerPod) -}}
+{{- div (mul (int64 .Values.prefill.replicas) (int64 .Values.prefill.actorsPerPod)) (include "hisparse.ranks" .Values.prefill | int64) -}}
 {{- else -}}
 {{- include "hisparse.int" .Values.serve.numPrefill -}}
 {{- end -}}
 {{- end -}}
 
-{{/* Ranks of one decode replica: the N of decode.layout's dpN (decode replicas have no attention-TP). */}}
-{{- define "hisparse.decodeRanks" -}}
-{{- regexFind "[0-9]+" (regexFind "^[dD][pP][0-9]+" (toString .Values.decode.layout)) | int64 -}}
+{{/* Ranks of one replica of a worker group (prefill or decode values): the N of its layout's dpN. */}}
+{{- define "hisparse.ranks" -}}
+{{- regexFind "[0-9]+" (regexFind "^[dD][pP][0-9]+" (toString .layout)) | int64 -}}
 {{- end -}}
 
 {{- define "hisparse.numDecode" -}}
 {{- if kindIs "invalid" .Values.serve.numDecode -}}
-{{- div (mul (int64 .Values.decode.replicas) (int64 .Values.decode.actorsPerPod)) (include "hisparse.decodeRanks" . | int64) -}}
+{{- div (mul (int64 .Values.decode.replicas) (int64 .Values.decode.actorsPerPod)) (include "hisparse.ranks" .Values.decode | int64) -}}
 {{- else -}}
 {{- include "hisparse.int" .Values.serve.numDecode -}}
 {{- end -}}
@@ -161,7 +161,7 @@ Byte sizes go out as integer bytes, which every spelling of `hisparse serve` acc
 {{- $a = concat $a (list "--num-prefill" (include "hisparse.numPrefill" .) "--num-decode" (include "hisparse.numDecode" .)) -}}
 {{- $a = concat $a (list "--prefill-num-cpus" (include "hisparse.str" .Values.prefill.actorCpus) "--prefill-num-gpus" (include "hisparse.str" .Values.prefill.actorGpus)) -}}
 {{- $a = concat $a (list "--decode-num-cpus" (include "hisparse.str" .Values.decode.actorCpus) "--decode-num-gpus" (include "hisparse.str" .Values.decode.actorGpus)) -}}
-{{- $a = concat $a (list "--decode-layout" (toString .Values.decode.layout)) -}}
+{{- $a = concat $a (list "--prefill-layout" (toString .Values.prefill.layout) "--decode-layout" (toString .Values.decode.layout)) -}}
 {{- $a = concat $a (list "--transport" (toString $s.transport)) -}}
 {{- $a = concat $a (list "--max-batch-tokens" (include "hisparse.int" $s.maxBatchTokens)) -}}
 {{- $a = concat $a (list "--max-concurrent-requests" (include "hisparse.int" $s.maxConcurrentRequests)) -}}
@@ -250,17 +250,17 @@ optional: false, so a missing Secret or key keeps the container from starting (f
 {{- fail (printf "%s: %s actors per pod x %v GPUs each do not fit in %s.gpus=%v" $role (include "hisparse.int" $g.actorsPerPod) $g.actorGpus $role (include "hisparse.int" $g.gpus)) -}}
 {{- end -}}
 {{- end -}}
-{{- $maxPrefill := mul (int64 .Values.prefill.maxReplicas) (int64 .Values.prefill.actorsPerPod) -}}
-{{- if gt (include "hisparse.numPrefill" . | int64) $maxPrefill -}}
-{{- fail (printf "serve.numPrefill=%s prefill actors never fit: the prefill group holds at most maxReplicas x actorsPerPod = %d" (include "hisparse.numPrefill" .) $maxPrefill) -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $g := index $.Values $role -}}
+{{- $ranks := include "hisparse.ranks" $g | int64 -}}
+{{- if ne (mod (int64 $g.actorsPerPod) $ranks) 0 -}}
+{{- fail (printf "%s.layout=%s has %d ranks, which share one pod: %s.actorsPerPod (%s) must be a multiple of %d" $role (toString $g.layout) $ranks $role (include "hisparse.int" $g.actorsPerPod) $ranks) -}}
 {{- end -}}
-{{- $ranks := include "hisparse.decodeRanks" . | int64 -}}
-{{- if ne (mod (int64 .Values.decode.actorsPerPod) $ranks) 0 -}}
-{{- fail (printf "decode.layout=%s has %d ranks, which share one pod: decode.actorsPerPod (%s) must be a multiple of %d" (toString .Values.decode.layout) $ranks (include "hisparse.int" .Values.decode.actorsPerPod) $ranks) -}}
+{{- $max := div (mul (int64 $g.maxReplicas) (int64 $g.actorsPerPod)) $ranks -}}
+{{- $num := ternary (include "hisparse.numPrefill" $) (include "hisparse.numDecode" $) (eq $role "prefill") | int64 -}}
+{{- if gt $num $max -}}
+{{- fail (printf "serve.num%s=%d %s replicas never fit: the %s group holds at most maxReplicas x actorsPerPod / ranks = %d" (title $role) $num $role $role $max) -}}
 {{- end -}}
-{{- $maxDecode := div (mul (int64 .Values.decode.maxReplicas) (int64 .Values.decode.actorsPerPod)) $ranks -}}
-{{- if gt (include "hisparse.numDecode" . | int64) $maxDecode -}}
-{{- fail (printf "serve.numDecode=%s decode replicas never fit: the decode group holds at most maxReplicas x actorsPerPod / ranks = %d" (include "hisparse.numDecode" .) $maxDecode) -}}
 {{- end -}}
 {{- if and (ne .Values.serve.transport "object_store") (or (eq (float64 .Values.prefill.actorGpus) 0.0) (eq (float64 .Values.decode.actorGpus) 0.0)) -}}
 {{- fail (printf "serve.transport=%s moves tensors GPU to GPU: give prefill.actorGpus and decode.actorGpus at least one GPU, or use object_store" .Values.serve.transport) -}}
