@@ -22,7 +22,7 @@ import ray
 from cluster.decode_actor import DecodeActor
 from cluster.prefill_actor import PrefillActor
 from cluster.protocol import COLLECTIVE_TRANSPORTS, NAMESPACE, ROLE_DECODE, ROLE_PREFILL, TRANSPORTS
-from cluster.replica import ReplicaSupervisor, create_replica, kill_replica, rank_names
+from cluster.replica import ReplicaSupervisor, create_replica, kill_replica, rank_names, serving_ranks
 from core.parallel import ParallelLayout
 from core.roles import ClusterConfig, ServeConfig
 
@@ -94,10 +94,13 @@ def _options(role: str, cfg: ClusterConfig, name: str) -> dict:
 
 
 def _role_names(prefix: str, role: str, count: int, layout_text: str) -> list[str]:
-    """Actor names of a role: `prefix-role-i`, or per rank `prefix-role-i-rR` for replicas of several ranks."""
+    """Names of the actors of a role that take requests: `prefix-role-i`, or for replicas of several ranks
+    `prefix-role-i-rR` per serving rank (attention-TP followers work through their leader)."""
     layout = ParallelLayout.parse(layout_text)
     bases = [f"{prefix}-{role}-{i}" for i in range(count)]
-    return bases if layout.single else [name for base in bases for name in rank_names(base, layout)]
+    if layout.single:
+        return bases
+    return [rank_names(base, layout)[r] for base in bases for r in serving_ranks(layout)]
 
 
 def actor_names(cfg: ServeConfig, prefix: str) -> tuple[list[str], list[str]]:
@@ -144,7 +147,8 @@ def create_actors(model: str, cfg: ServeConfig, eos_ids: tuple[int, ...], prefix
             builders[base] = partial(create_replica, cls, base, _options(role, cluster, base), args_for, kwargs,
                                      layout_text, cpus, gpus, timeout_s)
             replicas[base] = builders[base]()
-            handles += replicas[base][0]
+            layout = ParallelLayout.parse(layout_text)
+            handles += [replicas[base][0][r] for r in serving_ranks(layout)]
     if replicas:
         out.supervisor = ReplicaSupervisor(replicas, builders, cluster.max_restarts)
     _wait_ready(out, cluster, timeout_s)

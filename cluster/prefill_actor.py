@@ -81,6 +81,10 @@ class PrefillActor(ReplicaRank):
 
     def _step(self) -> None:
         results = self._run_step(self.worker.step)
+        if self.worker.tp_role == "follower":  # its leader answers for the group; this rank only computes
+            self.worker.take_failures()
+            self._refresh()
+            return
         for res in results:
             packed = None
             if res.finish_reason is None:  # it goes on to decode: pack here, off the event loop

@@ -39,6 +39,11 @@ def rank_names(base: str, layout: ParallelLayout) -> list[str]:
     return [f"{base}-r{rank}" for rank in range(layout.world)]
 
 
+def serving_ranks(layout: ParallelLayout) -> list[int]:
+    """The ranks that take requests: every DP group's TP leader (every rank without attention-TP)."""
+    return list(range(0, layout.world, layout.tp))
+
+
 class ReplicaRank:
     """What a prefill or decode actor adds to be one rank of a replica. The actor calls `_init_rank` first
     (its shard to load), keeps its model in `self.model`, its worker (with `join_replica`) in `self.worker`
@@ -54,7 +59,7 @@ class ReplicaRank:
         return self.layout.shard(rank)
 
     def _has_work(self) -> bool:
-        """The step thread's test: a rank in lockstep always steps (it must join its peers' forwards)."""
+        """The step thread's test: a rank in lockstep always steps (it must join its peers' collectives)."""
         return self.worker.lockstep or self.worker.has_work()
 
     def _run_step(self, step):
@@ -89,7 +94,7 @@ class ReplicaRank:
         def run() -> dict:
             comm = Comm.open(self.layout, self.rank, address, device=self.model.device, timeout_s=timeout_s)
             self.model.attach(comm)
-            if comm.ep > 1:
+            if comm.ep > 1 or comm.tp > 1:
                 self.worker.join_replica()
             return {"rank": self.rank, "layout": self.layout.describe(), "shard": str(comm.shard)}
 

@@ -160,9 +160,10 @@ class ClusterConfig:
     num_decode: int = 1
     """Decode actors, or with `decode_layout` of more than one rank, decode replicas."""
     prefill_layout: str = "dp1"
-    """How one prefill replica splits the model (`core.parallel.ParallelLayout`): `dp1`, `dp2+ep2`, ...
-    like `decode_layout`; every rank prefills its own requests and hands each layout to the decode rank
-    the router chose."""
+    """How one prefill replica splits the model (`core.parallel.ParallelLayout`): `dp2+ep2` like
+    `decode_layout` (every rank prefills its own requests and hands each layout to the decode rank the
+    router chose), or with attention-TP groups `tp2`, `dp2xtp2+ep4` (each group's leader takes requests and
+    its followers compute every step with it: lower latency for long prompts; no prefix cache)."""
     decode_layout: str = "dp1"
     """How one decode replica splits the model (`core.parallel.ParallelLayout`): `dp1` (one actor, the whole
     model), `dp2+ep2` (two ranks, each attending for its own requests, routed experts split between
@@ -188,10 +189,10 @@ class ClusterConfig:
     `gloo` (CPUs)."""
 
     def __post_init__(self) -> None:
-        for role, text in (("prefill", self.prefill_layout), ("decode", self.decode_layout)):
-            if ParallelLayout.parse(text).tp > 1:
-                raise ValueError(f"{role} layout {text!r}: replicas on Ray split by DP attention (dpN, dpN+epN); "
-                                 "attention-TP runs in the model (model.parallel) but has no Ray replica yet")
+        ParallelLayout.parse(self.prefill_layout)  # a clear error for a misspelt layout
+        if ParallelLayout.parse(self.decode_layout).tp > 1:
+            raise ValueError(f"decode layout {self.decode_layout!r}: attention-TP copies every request's KV to each of "
+                             "its ranks; decode replicas split by DP attention (dpN, dpN+epN)")
 
 
 @dataclass(frozen=True)

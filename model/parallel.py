@@ -36,6 +36,7 @@ META = "meta_all_gather"
 TP_ALL_REDUCE = "tp_all_reduce"
 EP_ALL_GATHER = "ep_all_gather"
 EP_REDUCE_SCATTER = "ep_reduce_scatter"
+TP_BROADCAST = "tp_broadcast"
 
 
 class ReplicaBroken(RuntimeError):
@@ -73,11 +74,13 @@ class Comm:
     groups that exist already; hand it to `V4Model.attach`."""
 
     def __init__(self, layout: ParallelLayout, rank: int, device: torch.device, tp_group=None, meta_group=None,
-                 ep_group=None) -> None:
+                 ep_group=None, tp_meta_group=None) -> None:
         self.layout, self.rank, self.device = layout, rank, torch.device(device)
         self.shard: Shard = layout.shard(rank)
         self.tp, self.ep = layout.tp, layout.ep
         self.tp_group, self.meta_group, self.ep_group = tp_group, meta_group, ep_group
+        self.tp_meta_group = tp_meta_group if tp_meta_group is not None else tp_group
+        self.tp_leader = rank - self.shard.tp_rank  # the global rank of this TP group's leader
         self.stats = CollectiveStats()
         self._counts: list[int] | None = None  # row counts of the forward under way
         self._pending: list[int] | None = None  # gathered by sync_rows for the next forward
@@ -93,13 +96,15 @@ class Comm:
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, init_method=address, rank=rank, world_size=layout.world, timeout=timeout)
         # every rank creates every group, in the same order
-        tp_group = None
+        tp_group = tp_meta_group = None
         for ranks in layout.tp_groups():
             g = dist.new_group(ranks, backend=backend) if layout.tp > 1 else None
+            gm = dist.new_group(ranks, backend="gloo", timeout=timeout) if layout.tp > 1 and backend != "gloo" else g
             if rank in ranks:
-                tp_group = g
+                tp_group, tp_meta_group = g, gm
         meta_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
-        return cls(layout, rank, device, tp_group=tp_group, meta_group=meta_group, ep_group=dist.group.WORLD)
+        return cls(layout, rank, device, tp_group=tp_group, meta_group=meta_group, ep_group=dist.group.WORLD,
+                   tp_meta_group=tp_meta_group)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -114,6 +119,14 @@ class Comm:
         _all_gather(out, mine, group=self.meta_group)
         self.stats.add(META, mine)
         return out.tolist()
+
+    def tp_broadcast(self, obj=None):
+        """The TP group leader's `obj` on every rank of the group (pickled, over gloo): how a leader hands its
+        followers what they need to run the same step."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.tp_leader, group=self.tp_meta_group)
+        self.stats.calls[TP_BROADCAST] = self.stats.calls.get(TP_BROADCAST, 0) + 1
+        return box[0]
 
     def rounds(self, forwards: int) -> int:
         """The most forwards any rank runs this step, given this rank's: a step loop in lockstep runs idle

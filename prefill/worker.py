@@ -104,9 +104,14 @@ class PrefillWorker:
             prefix_cache = PrefixCache(model.cfg, pc, layout_format(model.cfg, model.dtype))
         self.prefix_cache = prefix_cache
         self.lockstep = False
-        """Step in lockstep with the ranks of the model's expert-parallel replica (`join_replica`)."""
+        """Step in lockstep with the other ranks of the model's replica (`join_replica`): every step, even an
+        idle one, so that peers blocked in a collective are answered."""
         self.last_rounds: int | None = None
-        """Forwards the replica ran in the last lockstep step (0: nobody had work)."""
+        """Forwards the replica ran in the last lockstep step (0: nobody had work); None on a TP follower,
+        which waits on its leader instead."""
+        self.tp_role: str | None = None
+        """`leader` or `follower` in an attention-TP group (`join_replica`); None otherwise."""
+        self._journal: list[tuple[str, object]] = []  # a TP leader's submits and aborts since its last step
 
     def validate(self, req: PrefillRequest) -> None:
         cfg = self.model.cfg
@@ -128,11 +133,15 @@ class PrefillWorker:
         if req.request_id in self.pending:
             raise ValueError(f"request {req.request_id} is already queued")
         self.pending[req.request_id] = _Pending(req)
+        if self.tp_role == "leader":
+            self._journal.append(("submit", req))
 
     def abort(self, request_id: str) -> bool:
         p = self.pending.pop(request_id, None)
         if p is not None:
             self._release(p)
+            if self.tp_role == "leader":
+                self._journal.append(("abort", request_id))
         return p is not None
 
     def _drop(self, p: _Pending, why: str) -> None:
@@ -206,21 +215,51 @@ class PrefillWorker:
         return chosen
 
     def join_replica(self) -> None:
-        """Step in lockstep with the other ranks of the model's expert-parallel replica from now on: a rank
-        with nothing to prefill runs an idle forward whenever another rank runs a real one."""
-        if self.model.comm is None or self.model.comm.ep == 1:
-            raise ValueError("lockstep needs a model attached to an expert-parallel replica")
+        """Step in lockstep with the other ranks of the model's replica from now on (`model.comm`).
+
+        With expert parallelism, a rank with nothing to prefill runs an idle forward whenever another rank
+        runs a real one. In an attention-TP group the leader alone takes requests; at the start of every
+        step it hands its followers the submits and aborts since the last one, so their queues, and hence
+        their chosen chunks and forwards, stay the leader's. (The prefix cache would make them diverge: a
+        TP group runs without it.)"""
+        comm = self.model.comm
+        if comm is None or (comm.ep == 1 and comm.tp == 1):
+            raise ValueError("lockstep needs a model attached to an expert-parallel or attention-TP replica")
+        if comm.tp > 1:
+            if self.prefix_cache is not None:
+                raise ValueError("an attention-TP prefill group runs without the prefix cache (its ranks' queues "
+                                 "must stay equal); turn --prefix-cache off or use a dpN[+epN] prefill layout")
+            self.tp_role = "leader" if comm.shard.tp_rank == 0 else "follower"
         self.lockstep = True
+
+    def _mirror(self) -> bool:
+        """TP group: the leader sends its journal, a follower applies it. Returns whether anything came."""
+        if self.tp_role == "leader":
+            ops, self._journal = self._journal, []
+            self.model.comm.tp_broadcast(ops)
+            return bool(ops)
+        ops = self.model.comm.tp_broadcast()
+        for kind, arg in ops:
+            if kind == "submit":
+                self.submit(arg)
+            else:
+                self.abort(arg)
+        return bool(ops)
 
     def step(self) -> list[PrefillResult]:
         """One forward over up to `max_batch_tokens` prompt tokens; returns the requests it completed.
         If the forward fails, the requests in it are dropped and reported by `take_failures` (in a replica
         in lockstep, the rank cannot go on: `ReplicaBroken`)."""
+        if self.tp_role is not None:
+            self._mirror()
         chosen = self._choose()
         if self.lockstep:
-            self.last_rounds = self.model.comm.rounds(1 if chosen else 0)
+            comm = self.model.comm
+            self.last_rounds = comm.rounds(1 if chosen else 0) if comm.ep > 1 else int(bool(chosen))
             if not chosen and self.last_rounds:
                 self.model.idle_forward()
+            if self.tp_role == "follower":
+                self.last_rounds = None  # it waits on its leader's next broadcast, not on a timer
         if not chosen:
             return []
         items = [(p.tokens[p.done : p.done + n], p.layout) for p, n in chosen]

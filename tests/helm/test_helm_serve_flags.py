@@ -146,3 +146,11 @@ def test_prefill_replicas_reach_hisparse_serve(helm):
             "prefill.maxReplicas=2")
     c = parse_serve(serve_args(helm.render(sets=sets))).cluster
     assert (c.prefill_layout, c.num_prefill, c.decode_layout) == ("dp2+ep2", 2, "dp1")
+
+
+def test_prefill_tp_group_counts_its_ranks(helm):
+    sets = ("prefill.layout=tp4+ep4", "prefill.actorsPerPod=4", "prefill.cpu=4", "prefill.replicas=1")
+    c = parse_serve(serve_args(helm.render(sets=sets))).cluster
+    assert (c.prefill_layout, c.num_prefill) == ("tp4+ep4", 1)
+    proc = helm.template_raw(sets=("prefill.layout=tp4", "prefill.actorsPerPod=2", "prefill.cpu=2"))
+    assert proc.returncode != 0 and "multiple of 4" in proc.stderr

@@ -109,9 +109,12 @@ The schema already restricts the spelling; the fail below guards against bypassi
 {{- end -}}
 {{- end -}}
 
-{{/* Ranks of one replica of a worker group (prefill or decode values): the N of its layout's dpN. */}}
+{{/* Ranks of one replica of a worker group (prefill or decode values): dp x tp of its layout (absent: 1). */}}
 {{- define "hisparse.ranks" -}}
-{{- regexFind "[0-9]+" (regexFind "^[dD][pP][0-9]+" (toString .layout)) | int64 -}}
+{{- $l := lower (toString .layout) -}}
+{{- $dp := regexFind "[0-9]+" (regexFind "dp[0-9]+" $l) | default "1" | int64 -}}
+{{- $tp := regexFind "[0-9]+" (regexFind "tp[0-9]+" $l) | default "1" | int64 -}}
+{{- mul $dp $tp -}}
 {{- end -}}
 
 {{- define "hisparse.numDecode" -}}
