@@ -33,12 +33,15 @@ def load_model_for_actor(model_spec: str, num_threads: int, stub: StubConfig | N
                          kv_format: str = "auto", shard=None):
     import torch
 
+    from core import device
     from core.parallel import WHOLE
     from model.builtin import resolve_model_dir
     from model.loader import load_model
 
     torch.set_num_threads(max(1, num_threads))
-    model = load_model(resolve_model_dir(model_spec), weights=weights, kv_format=kv_format, shard=shard or WHOLE)
+    # the device this actor was given (Ray shows an actor only the GPUs it reserved): CUDA when present
+    model = load_model(resolve_model_dir(model_spec), device=device.current().torch_device, weights=weights,
+                       kv_format=kv_format, shard=shard or WHOLE)
     if stub is not None:
         from model.stub import StubModel
 
