@@ -83,3 +83,29 @@ def test_roles_place_actors_and_survive_node_loss(loop, cluster, tiny_model):
         eng.close()
     finally:
         run(loop, svc.stop(shutdown_ray=False))
+
+
+def test_decode_replica_lands_whole_on_a_decode_node(loop, cluster, tiny_model):
+    """A replica's ranks share one placement group of role-resource bundles: both land on the one node
+    that advertises room for two decode actors, and serve like one process."""
+    c, _, _ = cluster
+    node = c.add_node(num_cpus=2, resources={ROLE_DECODE: 2}, node_ip_address="127.0.0.1")
+    c.wait_for_nodes()
+    cfg = ServeConfig(model="tiny", tier=TIER, cluster=ClusterConfig(address=c.address, placement="resources",
+                                                                     decode_layout="dp2+ep2"))
+    svc = Service(cfg, prefix="mnr")
+    run(loop, svc.start())
+    try:
+        assert [i["node_id"] for i in svc.actors.decode_info] == [node.node_id] * 2
+        assert [i["rank"] for i in svc.actors.decode_info] == [0, 1]
+        eng = InProcessEngine(tiny_model, TIER)
+        reqs = [_req(200 + i) for i in range(3)]
+        expect = eng.generate(reqs)
+
+        async def go():
+            return await asyncio.gather(*(svc.complete(r) for r in reqs))
+
+        got = run(loop, go())
+        assert [[e.token.token_id for e in evs] for evs in got] == [expect[r.request_id].token_ids for r in reqs]
+    finally:
+        run(loop, svc.stop(shutdown_ray=False))
