@@ -15,6 +15,7 @@ import logging
 import os
 import pickle
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -53,10 +54,15 @@ def run_server(config: ServeConfig) -> int:
     # Ray first: it installs its own SIGTERM handler on init, and uvicorn's (installed when serving
     # starts) must be the one that runs, so that SIGTERM shuts the server down cleanly.
     start_ray(config.cluster)
-    service = Service(config)
-    log.info("hisparse serve: model %s, %d prefill + %d decode actors, offload %s, on http://%s:%d",
-             config.model, config.cluster.num_prefill, config.cluster.num_decode, "on" if config.tier.offload else "off",
-             config.server.host, config.server.port)
+    try:
+        service = Service(config)
+    except ValueError as e:  # the model and the flags disagree (a parallel layout the model cannot take, ...)
+        print(f"hisparse serve: {e}", file=sys.stderr)
+        return 2
+    c = config.cluster
+    log.info("hisparse serve: model %s, %d prefill (%s) + %d decode (%s) actors or replicas, offload %s, on http://%s:%d",
+             config.model, c.num_prefill, c.prefill_layout, c.num_decode, c.decode_layout,
+             "on" if config.tier.offload else "off", config.server.host, config.server.port)
     started = False
     try:
         if config.server.api_workers > 1:
