@@ -37,10 +37,10 @@ def start_ray(cfg: ClusterConfig, num_cpus: int | None = None) -> None:
     if os.environ.get("HISPARSE_CACHE"):
         env["env_vars"]["HISPARSE_CACHE"] = os.environ["HISPARSE_CACHE"]
     if cfg.address is None:
-        need = cfg.num_prefill * cfg.prefill_num_cpus + cfg.num_decode * cfg.decode_num_cpus
+        need = cfg.prefill_actors * cfg.prefill_num_cpus + cfg.decode_actors * cfg.decode_num_cpus
         cpus = num_cpus if num_cpus is not None else max(int(need + 0.999), os.cpu_count() or 1)
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 runtime_env=env, resources={ROLE_PREFILL: cfg.num_prefill, ROLE_DECODE: cfg.num_decode},
+                 runtime_env=env, resources={ROLE_PREFILL: cfg.prefill_actors, ROLE_DECODE: cfg.decode_actors},
                  _system_config={"max_direct_call_object_size": INLINE_ARG_BYTES})
         log.info("started an embedded Ray instance with %d CPUs", cpus)
     else:

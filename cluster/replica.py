@@ -35,6 +35,16 @@ REPLICA_IDLE_WAIT_S = 0.02
 request arriving at another rank of an idle replica waits for this one."""
 
 
+def node_address() -> str:
+    """The address Ray knows this process's node by (127.0.0.1 for the embedded instance, which binds
+    nothing else; the node's IP on a cluster)."""
+    me = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == me and node.get("NodeManagerAddress"):
+            return node["NodeManagerAddress"]
+    return ray.util.get_node_ip_address()
+
+
 def rank_names(base: str, layout: ParallelLayout) -> list[str]:
     return [f"{base}-r{rank}" for rank in range(layout.world)]
 
@@ -84,7 +94,7 @@ class ReplicaRank:
         """A rendezvous address on this actor's node (rank 0 of a replica: the others join it here)."""
         from model.parallel import free_port
 
-        host = ray.util.get_node_ip_address()
+        host = node_address()
         return f"tcp://{host}:{free_port(host)}"
 
     async def join(self, address: str, timeout_s: float = 300.0) -> dict:

@@ -188,6 +188,16 @@ class ClusterConfig:
     """Handoff transport: `object_store` (default), or Ray's direct tensor transport: `nccl`/`nixl` (GPUs),
     `gloo` (CPUs)."""
 
+    @property
+    def prefill_actors(self) -> int:
+        """Prefill actors in all: every rank of every prefill replica."""
+        return self.num_prefill * ParallelLayout.parse(self.prefill_layout).world
+
+    @property
+    def decode_actors(self) -> int:
+        """Decode actors in all: every rank of every decode replica."""
+        return self.num_decode * ParallelLayout.parse(self.decode_layout).world
+
     def __post_init__(self) -> None:
         ParallelLayout.parse(self.prefill_layout)  # a clear error for a misspelt layout
         if ParallelLayout.parse(self.decode_layout).tp > 1:
