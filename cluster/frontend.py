@@ -151,6 +151,8 @@ class Member:
     """Set when the actor dies or hangs (wakes the attempts waiting on it)."""
     orphans: set[str] = field(default_factory=set)
     """Keys moved away when the actor looked dead: if it was only unreachable, they are aborted when it answers."""
+    dead_group: str | None = None
+    """The replica (placement group) this member was lost with: it rejoins only as a rank of a new one."""
     pending_pages: int = 0
     """Decode: pages this frontend is reserving there right now (not yet in its report), so that requests
     arriving together spread over equally free actors instead of all asking the first."""
@@ -231,11 +233,16 @@ class Frontend:
     async def _rejoin(self, m: Member) -> None:
         """Wait for Ray to restart a dead actor; it rejoins routing once it answers."""
         try:
-            m.info = await asyncio.wait_for(_await(m.handle.ready.remote()), 10.0)
+            info = await asyncio.wait_for(_await(m.handle.ready.remote()), 10.0)
         except (*ACTOR_GONE, asyncio.TimeoutError):
             await asyncio.sleep(0.5)
             await self._refresh_handle(m)
             return
+        if m.dead_group is not None and info.get("replica_group") == m.dead_group:
+            await asyncio.sleep(0.5)  # a rank of the replica being torn down still answers: wait for the new one
+            await self._refresh_handle(m)
+            return
+        m.info, m.dead_group = info, None
         log.info("%s answers again; it rejoins", m.name)
         if self.affinity is not None and any(x is m for x in self.prefill):
             self.affinity.seed(m.name, m.info.get("prefix_pages") or [])
@@ -287,6 +294,7 @@ class Frontend:
         """An actor died or hung: its attempts fail over (a hung one is also told to drop them)."""
         if dead:
             m.alive = False
+            m.dead_group = m.info.get("replica_group")
             if self.affinity is not None:  # a restarted actor starts with an empty cache (or only its disk tier)
                 self.affinity.forget(m.name)
         else:
@@ -302,6 +310,11 @@ class Frontend:
             m.orphans |= set(keys)
         elif keys:
             m.handle.abort.remote(keys)
+        group = m.info.get("replica_group")
+        if dead and group is not None:  # a replica is rebuilt whole: its other ranks are going too
+            for other in (*self.prefill, *self.decode):
+                if other is not m and other.alive and other.info.get("replica_group") == group:
+                    self._lose(other, f"{other.name} goes down with its replica", dead=True)
 
     async def _watch_prefill(self) -> None:
         while self._running:

@@ -88,7 +88,12 @@ class ReplicaRank:
         return out
 
     def _rank_info(self) -> dict:
-        return {} if self.layout is None else {"replica": self.layout.describe(), "rank": self.rank}
+        """For `ready`: the layout, this rank, and the replica's identity (its placement group: ranks that
+        share it live and die together)."""
+        if self.layout is None:
+            return {}
+        return {"replica": self.layout.describe(), "rank": self.rank,
+                "replica_group": ray.get_runtime_context().get_placement_group_id()}
 
     async def address(self) -> str:
         """A rendezvous address on this actor's node (rank 0 of a replica: the others join it here)."""

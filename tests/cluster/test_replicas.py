@@ -119,3 +119,31 @@ def test_rank_killed_mid_stream_fails_over(gw, tiny_model):
     assert all(m.handle._actor_id != old_ids[m.name] for m in svc.frontend.decode)
     for m in svc.frontend.decode:
         assert ray.get(m.handle.check_integrity.remote(), timeout=120)
+
+
+def test_prefill_rank_killed_mid_prompt_is_retried(gw, tiny_model):
+    """A prefill rank dies while a long prompt is in its prefill: the prefill replica is rebuilt and the
+    request's prefill is retried, with the tokens one process makes."""
+    svc = gw.service
+    prompt = _prompt(3, 4000)  # 16 chunks of 256 tokens: time to kill its rank mid-prompt
+    want = _reference(tiny_model, [prompt], 8)[0]
+    req = GenerateRequest(f"p-{time.monotonic_ns()}", tuple(prompt), SamplingParams(max_tokens=8, ignore_eos=True))
+    old = {m.name: m.handle._actor_id for m in svc.frontend.prefill}
+
+    async def go():
+        task = asyncio.ensure_future(svc.complete(req))
+        victim = None
+        for _ in range(400):
+            victim = next((m for m in svc.frontend.prefill if any(k.startswith(req.request_id + ".") for k in m.load)), None)
+            if victim is not None:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        ray.kill(victim.handle, no_restart=True)
+        return await task
+
+    before = svc.frontend.retries["prefill"]
+    evs = gw.server.run(go(), timeout_s=500)
+    assert svc.frontend.retries["prefill"] >= before + 1
+    assert [e.token.token_id for e in evs] == want
+    assert all(m.handle._actor_id != old[m.name] for m in svc.frontend.prefill)  # both ranks are new actors
