@@ -53,27 +53,44 @@ def _schedule(model, store, step_config=None):
         if step % 250 == 0:
             worker.check_integrity()
     worker.check_integrity()
-    return out, max_batch, worker
+    runner = worker.runner
+    summary = {"mode": runner.mode, "steps_by_bucket": dict(runner.steps_by_bucket), "compile_log": list(runner.compile_log),
+               "compiles": runner.compiles, "steps": worker.steps, "stats": worker.stats(),
+               "counters": worker.store.counters.clone() if hasattr(worker.store, "counters") else None,
+               "num_csa_layers": len(model.cfg.csa_layers)}
+    return out, max_batch, summary
+
+
+def _run(name: str, model_dir: str):
+    """One schedule in a process of its own (one torch thread): `streams` runs two at a time."""
+    import torch
+
+    from model.loader import load_model
+
+    torch.set_num_threads(1)
+    model = load_model(model_dir)
+    cfg = model.cfg
+    budget = 64 * 2**20
+    if name == "plain":
+        return _schedule(model, LayoutStore(cfg))
+    if name == "off":
+        return _schedule(model, TieredStore(cfg, TierConfig(offload=False, device_budget_bytes=budget)))
+    on = TieredStore(cfg, TierConfig(offload=True, hot_buffer_slots=cfg.index_topk, reserved_slots=4,
+                                     device_budget_bytes=budget, host_pool_bytes=64 * 2**20))
+    return _schedule(model, on, CAPTURED if name == "on_captured" else None)
 
 
 @pytest.fixture(scope="module")
-def streams(tiny_model):
-    cfg = tiny_model.cfg
-    budget = 64 * 2**20
+def streams(tiny_dir):
+    """The four schedules, two processes at a time: each is single-threaded Python and small tensors, so two
+    processes on two cores take about half the time of one process with two threads."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
-    def on():
-        return TieredStore(cfg, TierConfig(offload=True, hot_buffer_slots=cfg.index_topk, reserved_slots=4,
-                                           device_budget_bytes=budget, host_pool_bytes=64 * 2**20))
-
-    def off():
-        return TieredStore(cfg, TierConfig(offload=False, device_budget_bytes=budget))
-
-    return {
-        "on": _schedule(tiny_model, on()),
-        "off": _schedule(tiny_model, off()),
-        "plain": _schedule(tiny_model, LayoutStore(cfg)),
-        "on_captured": _schedule(tiny_model, on(), CAPTURED),
-    }
+    names = ("on", "off", "plain", "on_captured")
+    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {name: pool.submit(_run, name, str(tiny_dir)) for name in names}
+        return {name: f.result() for name, f in futures.items()}
 
 
 def test_streams_identical_across_tiers(streams):
@@ -86,34 +103,34 @@ def test_streams_identical_across_tiers(streams):
 
 @pytest.mark.parametrize("name", ["on_captured"])
 def test_captured_step_gives_the_same_streams(streams, name):
-    assert streams[name][2].runner.mode == "compiled"
+    assert streams[name][2]["mode"] == "compiled"
     assert streams[name][0] == streams["on"][0]
 
 
 @pytest.mark.parametrize("name", ["on_captured"])
 def test_captured_step_compiles_once_per_bucket(streams, name):
     """Across 1000+ steps and many buckets the step is captured whole (fullgraph) and never again for a bucket it has seen."""
-    runner = streams[name][2].runner
-    steps = runner.steps_by_bucket
+    run = streams[name][2]
+    steps = run["steps_by_bucket"]
     assert len(steps) >= 5 and len({rows for rows, _ in steps}) >= 4 and len({blocks for _, blocks in steps}) >= 3
-    assert len(runner.compile_log) == len(set(runner.compile_log)) == runner.compiles
-    assert 1 <= runner.compiles <= 4  # symbolic rows and blocks: only sizes of 1 add a capture
-    assert sum(steps.values()) == streams[name][2].steps
+    assert len(run["compile_log"]) == len(set(run["compile_log"])) == run["compiles"]
+    assert 1 <= run["compiles"] <= 4  # symbolic rows and blocks: only sizes of 1 add a capture
+    assert sum(steps.values()) == run["steps"]
 
 
 @pytest.mark.parametrize("name", ["on", "on_captured"])
 def test_misses_on_every_csa_layer(streams, name):
-    worker = streams[name][2]
-    counters = worker.store.counters  # [csa layers, (hits, misses, evictions)]
-    assert counters.shape[0] == len(worker.model.cfg.csa_layers) >= 2
+    run = streams[name][2]
+    counters = run["counters"]  # [csa layers, (hits, misses, evictions)]
+    assert counters.shape[0] == run["num_csa_layers"] >= 2
     assert bool((counters[:, 1] > 0).all()), counters
     assert bool((counters[:, 2] > 0).all()), counters
-    stats = worker.stats()
+    stats = run["stats"]
     assert stats["bytes_h2d"] > 0 and stats["misses"] > 0
 
 
 def test_everything_returned_after_the_run(streams):
     for name in ("on", "off", "on_captured"):
-        st = streams[name][2].stats()
+        st = streams[name][2]["stats"]
         assert st["running"] == 0 and st["device_bytes_used"] == 0 and st["host_bytes_used"] == 0
         assert st["pages_free"] == st["pages_total"]
