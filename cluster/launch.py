@@ -104,7 +104,7 @@ def _role_names(prefix: str, role: str, count: int, layout_text: str) -> list[st
 
 
 def actor_names(cfg: ServeConfig, prefix: str) -> tuple[list[str], list[str]]:
-    """Names of the prefill and of the decode actors (every rank of every replica)."""
+    """Names of the prefill and of the decode actors that take requests (every serving rank of every replica)."""
     c = cfg.cluster
     return (_role_names(prefix, "prefill", c.num_prefill, c.prefill_layout),
             _role_names(prefix, "decode", c.num_decode, c.decode_layout))
@@ -142,12 +142,18 @@ def create_actors(model: str, cfg: ServeConfig, eos_ids: tuple[int, ...], prefix
             for name in _role_names(prefix, word, count, layout_text):
                 handles.append(cls.options(**_options(role, cluster, name)).remote(*args_for(name), **kwargs))
             continue
+        layout = ParallelLayout.parse(layout_text)
         for i in range(count):
             base = f"{prefix}-{word}-{i}"
             builders[base] = partial(create_replica, cls, base, _options(role, cluster, base), args_for, kwargs,
                                      layout_text, cpus, gpus, timeout_s)
-            replicas[base] = builders[base]()
-            layout = ParallelLayout.parse(layout_text)
+            try:
+                replicas[base] = builders[base]()
+            except Exception:  # leave nothing behind: the replicas built so far go too
+                for ranks, pg in replicas.values():
+                    kill_replica(ranks, pg)
+                kill_actors(out)
+                raise
             handles += [replicas[base][0][r] for r in serving_ranks(layout)]
     if replicas:
         out.supervisor = ReplicaSupervisor(replicas, builders, cluster.max_restarts)

@@ -199,7 +199,10 @@ class ClusterConfig:
         return self.num_decode * ParallelLayout.parse(self.decode_layout).world
 
     def __post_init__(self) -> None:
-        ParallelLayout.parse(self.prefill_layout)  # a clear error for a misspelt layout
+        replicas = not (ParallelLayout.parse(self.prefill_layout).single and ParallelLayout.parse(self.decode_layout).single)
+        if replicas and self.transport != "object_store":
+            raise ValueError(f"--transport {self.transport} sets its collective group up once at start, and a rebuilt "
+                             "replica's new actors would not be in it; replicas hand layouts over with object_store")
         if ParallelLayout.parse(self.decode_layout).tp > 1:
             raise ValueError(f"decode layout {self.decode_layout!r}: attention-TP copies every request's KV to each of "
                              "its ranks; decode replicas split by DP attention (dpN, dpN+epN)")
