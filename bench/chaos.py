@@ -1,6 +1,6 @@
 """Chaos: a seeded mixed load on `hisparse serve` while actors are SIGKILLed at seeded moments (one JSON object).
 
-    python -m bench.chaos [--requests 300] [--kills 6] [--seed 0] [--soak 0]
+    python -m bench.chaos [--requests 300] [--kills 6] [--seed 0] [--soak 0] [--server-args '...']
 
 The server runs as its own process (2 prefill + 2 decode actors, the built-in model); this process is the
 client and the fault injector. The load mixes streaming and not, text and token-id prompts, n > 1, clients
@@ -168,12 +168,13 @@ def wait_idle(url: str, timeout_s: float = 120.0) -> dict[str, float]:
         time.sleep(1.0)
 
 
-def run(requests: int, kills: int, seed: int, concurrency: int = 24, timeout_s: float = 180.0, soak: int = 0) -> dict:
+def run(requests: int, kills: int, seed: int, concurrency: int = 24, timeout_s: float = 180.0, soak: int = 0,
+        server_args: tuple[str, ...] = ()) -> dict:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     server = start_server(["--num-prefill", "2", "--num-decode", "2", "--prefill-num-cpus", "0.5", "--decode-num-cpus", "0.5",
                            "--device-budget", "64MiB", "--max-restarts", "-1", "--max-request-retries", "3",
-                           "--token-timeout-s", "60", "--max-batch-tokens", "1024"], port)
+                           "--token-timeout-s", "60", "--max-batch-tokens", "1024", *server_args], port)
     try:
         reqs = load(requests, seed)
         progress(f"undisturbed run: {requests} requests")
@@ -256,8 +257,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=24)
     ap.add_argument("--soak", type=int, default=0, help="then this many short requests, with memory before/after")
+    ap.add_argument("--server-args", default="", metavar="ARGS",
+                    help="more `hisparse serve` flags, after the bench's own (which they override), e.g. "
+                         "'--num-decode 1 --decode-layout dp2+ep2' for replicas")
     a = ap.parse_args(argv)
-    emit({"bench": "chaos", "env": environment(), **run(a.requests, a.kills, a.seed, a.concurrency, soak=a.soak)})
+    extra = tuple(a.server_args.split())
+    emit({"bench": "chaos", "env": environment(), "server_args": list(extra),
+          **run(a.requests, a.kills, a.seed, a.concurrency, soak=a.soak, server_args=extra)})
 
 
 if __name__ == "__main__":

@@ -215,7 +215,7 @@ class ReplicaSupervisor:
         kill_replica(ranks, pg)
         while not self._stop.is_set():
             n = self.restarts.get(base, 0)
-            if n >= self.max_restarts:
+            if 0 <= self.max_restarts <= n:  # a negative limit (as Ray's) rebuilds without end
                 log.error("replica %s was rebuilt %d times already; giving up on it", base, n)
                 self.replicas[base] = ([], None)
                 return
