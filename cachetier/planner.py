@@ -84,7 +84,7 @@ from types import MappingProxyType
 
 from core.config import CSA, HASH_MOE, SLIDING, WEIGHT_MODES, WEIGHTS_DEQUANTIZE, WEIGHTS_PACKED, ModelConfig
 from core.kv_format import BF16, V4, fp4_key_bytes, fp8_main_row_bytes
-from core.parallel import ParallelLayout
+from core.parallel import WHOLE, ParallelLayout
 from core.roles import TierConfig
 
 # Cache kinds; the first five are spelled as in `cachetier.layout` (kept torch-free here on purpose).
@@ -269,9 +269,9 @@ def _block(cfg: ModelConfig, kind: str, hash_routed: bool, add, weights: str = W
     packed = weights == WEIGHTS_PACKED
     fp8 = _fp8_matrix if packed else _dequantized_matrix
     fp4 = _fp4_matrix if packed else _dequantized_matrix
-    tp, ep = (layout.tp, layout.ep) if layout is not None else (1, 1)
+    shard = layout.shard(0) if layout is not None else WHOLE  # every rank holds as much as rank 0
     h, d, heads = cfg.hidden_size, cfg.head_dim, cfg.num_heads
-    rank_heads, rank_groups = heads // tp, cfg.o_groups // tp
+    (_, rank_heads), (_, rank_groups), (_, rank_experts) = shard.heads(cfg), shard.groups(cfg), shard.experts(cfg)
     for rows, cols in ((cfg.q_lora_rank, h),  # wq_a (whole)
                        (rank_heads * d, cfg.q_lora_rank),  # wq_b (by heads)
                        (d, h),  # wkv (whole)
@@ -303,7 +303,6 @@ def _block(cfg: ModelConfig, kind: str, hash_routed: bool, add, weights: str = W
     else:
         add(_ROUTER, e, 4 * e)
     inter = cfg.moe_intermediate_size
-    rank_experts = e // ep
     for rows, cols in ((inter, h), (inter, h), (h, inter)):  # gate, up, down
         p, b = fp4(rows, cols)
         add(_ROUTED, rank_experts * p, rank_experts * b)
