@@ -225,4 +225,5 @@ class ReplicaSupervisor:
                 log.info("replica %s is whole again (rebuild %d)", base, n + 1)
                 return
             except Exception:
-                log.exception("rebuilding replica %s failed", base)
+                log.exception("rebuilding replica %s failed; trying again shortly", base)
+                self._stop.wait(2.0)
