@@ -5,17 +5,12 @@ folders would import one another's conftest under the same name.)"""
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import time
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from model.parallel import free_port  # noqa: F401 - the tests' free port on 127.0.0.1, as replicas find theirs
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 180.0) -> None:
@@ -31,6 +26,24 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: floa
             pass
         time.sleep(0.5)
     raise AssertionError(f"{url} did not become healthy within {timeout_s:.0f} s")
+
+
+async def stream_with_fault(service, reqs, after_tokens: int, fault) -> tuple[dict[str, list[int]], object]:
+    """Stream every request of `reqs` at once through `service`; as soon as one of them has `after_tokens` tokens,
+    `await fault(request)` (once: kill or pause the actor serving it). Returns the token ids per request id and
+    what `fault` returned."""
+    got: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    done: list = []
+
+    async def consume(r):
+        async for ev in service.generate(r):
+            got[r.request_id].append(ev.token.token_id)
+            if len(got[r.request_id]) == after_tokens and not done:
+                done.append(None)
+                done[0] = await fault(r)
+
+    await asyncio.gather(*(consume(r) for r in reqs))
+    return got, done[0] if done else None
 
 
 def run(loop, coro, timeout: float = 300):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import ray
-from serving_helpers import run
+from serving_helpers import run, stream_with_fault
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service
@@ -94,20 +94,13 @@ def test_decode_actor_dies_mid_stream(loop, service, tiny_model):
     reqs = _requests(2, prompt_len=60, max_tokens=120)
     ref = _inprocess(tiny_model, reqs)
 
+    async def kill(r):
+        victim = _member_holding(service.frontend.decode, r.request_id)
+        ray.kill(victim.handle, no_restart=False)
+        return victim.name
+
     async def go():
-        got = {r.request_id: [] for r in reqs}
-        killed = []
-
-        async def consume(r):
-            async for ev in service.generate(r):
-                got[r.request_id].append(ev.token.token_id)
-                if len(got[r.request_id]) == 30 and not killed:
-                    victim = _member_holding(service.frontend.decode, r.request_id)
-                    killed.append(victim.name)
-                    ray.kill(victim.handle, no_restart=False)
-
-        await asyncio.gather(*(consume(r) for r in reqs))
-        return got, killed
+        return await stream_with_fault(service, reqs, 30, kill)
 
     got, killed = run(loop, go())
     assert killed and got == ref  # nothing lost, nothing repeated, same tokens

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 import ray
-from serving_helpers import free_port, start_gateway, stop_gateway
+from serving_helpers import free_port, start_gateway, stop_gateway, stream_with_fault
 
 from cluster.inprocess import InProcessEngine
 from core.roles import ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, StepConfig, TierConfig
@@ -95,19 +95,13 @@ def test_rank_killed_mid_stream_fails_over(gw, tiny_model):
             for i, p in enumerate(prompts)]
     old_ids = {m.name: m.handle._actor_id for m in svc.frontend.decode}
 
+    async def kill(_r):
+        victim = svc.frontend.decode[1]
+        ray.kill(victim.handle, no_restart=True)
+        return victim.name
+
     async def go():
-        got = {r.request_id: [] for r in reqs}
-        killed = []
-
-        async def consume(r):
-            async for ev in svc.generate(r):
-                got[r.request_id].append(ev.token.token_id)
-                if len(got[r.request_id]) == 20 and not killed:
-                    victim = svc.frontend.decode[1]
-                    killed.append(victim.name)
-                    ray.kill(victim.handle, no_restart=True)
-
-        await asyncio.gather(*(consume(r) for r in reqs))
+        got, killed = await stream_with_fault(svc, reqs, 20, kill)
         return [got[r.request_id] for r in reqs], killed
 
     got, killed = gw.server.run(go(), timeout_s=500)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import ray
-from serving_helpers import run
+from serving_helpers import run, stream_with_fault
 
 from cachetier.layout import pack_layout
 from cluster.inprocess import InProcessEngine
@@ -137,20 +137,13 @@ def test_poisoned_request_fails_clearly_and_others_are_untouched(loop, service, 
 def test_hung_step_thread_is_taken_out_and_its_requests_move(loop, service, tiny_model):
     reqs = [_req(30 + i, max_tokens=120) for i in range(2)]
 
+    async def pause(r):
+        victim = next(m for m in service.frontend.decode if any(k.startswith(r.request_id) for k in m.keys))
+        await victim.handle.pause_step_thread.remote(4.0)
+        return victim
+
     async def go():
-        got = {r.request_id: [] for r in reqs}
-        paused = []
-
-        async def consume(r):
-            async for ev in service.generate(r):
-                got[r.request_id].append(ev.token.token_id)
-                if len(got[r.request_id]) == 10 and not paused:
-                    victim = next(m for m in service.frontend.decode if any(k.startswith(r.request_id) for k in m.keys))
-                    paused.append(victim)
-                    await victim.handle.pause_step_thread.remote(4.0)
-
-        await asyncio.gather(*(consume(r) for r in reqs))
-        return got, paused[0]
+        return await stream_with_fault(service, reqs, 10, pause)
 
     got, victim = run(loop, go())
     assert got == _alone(tiny_model, reqs)  # moved to the other actor: nothing lost or repeated

@@ -6,10 +6,11 @@ import argparse
 import json
 
 import pytest
+from test_planner import _small  # the small geometry checked by hand there
 
 from cachetier.planner import PlanError, PlanInputs, estimate_weights, plan
 from cluster import plan_cmd
-from core.config import CSA, HCA, SLIDING, WEIGHTS_DEQUANTIZE, ModelConfig
+from core.config import WEIGHTS_DEQUANTIZE
 from core.parallel import ParallelLayout
 from core.presets import V4_FLASH, V4_PRO
 
@@ -18,14 +19,6 @@ ONE_M = 2**20
 H200, B200 = 141 * 10**9, 180 * 10**9
 L = ParallelLayout.parse
 
-
-def _small() -> ModelConfig:
-    return ModelConfig(
-        name="small", vocab_size=64, hidden_size=64, layer_types=(SLIDING, CSA, HCA), num_heads=4, head_dim=32,
-        rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=8, csa_rate=4, hca_rate=8,
-        index_n_heads=8, index_head_dim=16, index_topk=2, max_position_embeddings=1 << 20,
-        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-    )
 
 
 def _groups(est) -> dict[str, int]:
