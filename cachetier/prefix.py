@@ -355,36 +355,34 @@ class PrefixCache:
         self._to_host(part, value)
         return value
 
+    def _count(self, tier: str, kind: str, nbytes: int, parts: int) -> None:
+        """Account `parts` parts of `nbytes` bytes in all entering (positive) or leaving (negative) `tier`."""
+        t = self.tally[(tier, kind)]
+        t[0] += nbytes
+        t[1] += parts
+        if tier == "host":
+            self.host_bytes += nbytes
+        else:
+            self.disk_bytes += nbytes
+
     def _to_host(self, part: Part, value: KVLayout) -> None:
         part.value = value
         self.host_lru[part.key] = part
-        self.host_bytes += part.nbytes
-        t = self.tally[("host", part.kind)]
-        t[0] += part.nbytes
-        t[1] += 1
+        self._count("host", part.kind, part.nbytes, 1)
 
     def _from_host(self, part: Part) -> None:
         del self.host_lru[part.key]
-        self.host_bytes -= part.nbytes
-        t = self.tally[("host", part.kind)]
-        t[0] -= part.nbytes
-        t[1] -= 1
+        self._count("host", part.kind, -part.nbytes, -1)
         part.value = None
 
     def _to_disk(self, part: Part, size: int) -> None:
         part.file_bytes = size
         self.disk_lru[part.key] = part
-        self.disk_bytes += size
-        t = self.tally[("disk", part.kind)]
-        t[0] += size
-        t[1] += 1
+        self._count("disk", part.kind, size, 1)
 
     def _from_disk(self, part: Part) -> None:
         del self.disk_lru[part.key]
-        self.disk_bytes -= part.file_bytes
-        t = self.tally[("disk", part.kind)]
-        t[0] -= part.file_bytes
-        t[1] -= 1
+        self._count("disk", part.kind, -part.file_bytes, -1)
         part.file_bytes = 0
 
     def _touch(self, part: Part) -> None:
