@@ -70,3 +70,9 @@ def run_interpreted(tmp_path_factory):
         return torch.load(out)
 
     return run
+
+
+@pytest.fixture(scope="module")
+def triton_outputs(request, run_interpreted):
+    """What the requesting test module saved when run as a script under the Triton interpreter."""
+    return run_interpreted(str(request.path))

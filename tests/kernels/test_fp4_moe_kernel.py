@@ -118,11 +118,6 @@ def test_alignment_compiles_to_one_graph():
         assert torch.equal(got, want)
 
 
-@pytest.fixture(scope="module")
-def triton_outputs(run_interpreted):
-    return run_interpreted(__file__)
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_matches_reference(triton_outputs, name):
     want = fp4_expert_matmul_ref(*CASES[name])

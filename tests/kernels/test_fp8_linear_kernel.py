@@ -99,11 +99,6 @@ def test_extreme_scales_are_decoded_exactly():
     assert torch.allclose(out[:, :FP8_BLOCK].double(), part + rest, rtol=1e-5)
 
 
-@pytest.fixture(scope="module")
-def triton_outputs(run_interpreted):
-    return run_interpreted(__file__)
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_matches_reference(triton_outputs, name):
     kind, args = CASES[name]

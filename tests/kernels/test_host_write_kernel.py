@@ -48,11 +48,6 @@ def test_reference_writes_only_the_named_rows():
     assert torch.equal(got[untouched], pool[untouched])
 
 
-@pytest.fixture(scope="module")
-def triton_outputs(run_interpreted):
-    return run_interpreted(__file__)
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_matches_reference(triton_outputs, name):
     assert torch.equal(triton_outputs[name], _run(write_rows_ref, CASES[name]))

@@ -62,11 +62,6 @@ CASES = make_cases()
 PREFILL_CASES = make_prefill_cases()
 
 
-@pytest.fixture(scope="module")
-def triton_outputs(run_interpreted):
-    return run_interpreted(__file__)
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_packed_triton_matches_reference(triton_outputs, name):
     q, segments, sinks, scale, reader = CASES[name]

@@ -93,11 +93,6 @@ def test_reference_query_without_keys_is_zero():
     assert got[1:].abs().min() > 0
 
 
-@pytest.fixture(scope="module")
-def triton_outputs(run_interpreted):
-    return run_interpreted(__file__)
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_matches_reference(triton_outputs, name):
     q, segments, prefix, sinks, scale = CASES[name]

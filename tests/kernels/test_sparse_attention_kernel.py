@@ -83,11 +83,6 @@ def test_reference_sink_only_absorbs_mass():
     assert torch.equal(none, torch.zeros_like(none))
 
 
-@pytest.fixture(scope="module")
-def triton_outputs(run_interpreted):
-    return run_interpreted(__file__)
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_triton_matches_reference(triton_outputs, name):
     q, segments, sinks, scale = CASES[name]
