@@ -5,12 +5,25 @@ folders would import one another's conftest under the same name.)"""
 from __future__ import annotations
 
 import asyncio
+import signal
 import subprocess
 import time
 
 import httpx
 
 from model.parallel import free_port  # noqa: F401 - the tests' free port on 127.0.0.1, as replicas find theirs
+
+
+def stop_server(proc: subprocess.Popen, timeout_s: float = 90.0) -> str:
+    """SIGTERM a server process started with its output piped, kill it if it does not stop within `timeout_s`,
+    and return everything it printed (the caller checks its exit code)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return out
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 180.0) -> None:

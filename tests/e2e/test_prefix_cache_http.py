@@ -5,14 +5,13 @@ from its directory (disk reads on /metrics, same tokens)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
-from serving_helpers import free_port, wait_healthy
+from serving_helpers import free_port, stop_server, wait_healthy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -27,12 +26,7 @@ def _serve(tiny_dir, directory, port):
 
 
 def _stop(proc) -> str:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        out, _ = proc.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
+    out = stop_server(proc)
     assert proc.returncode == 0, out[-3000:]
     return out
 

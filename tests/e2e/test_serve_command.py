@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 
 import httpx
 import pytest
-from serving_helpers import free_port, wait_healthy
+from serving_helpers import free_port, stop_server, wait_healthy
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -29,12 +28,7 @@ def test_hisparse_serve_end_to_end(tiny_dir):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "tiny"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out, _ = proc.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
+        out = stop_server(proc)
     assert proc.returncode == 0, out[-3000:]
     # nothing a user must act on or wonder about: Ray's auth mode is decided (and said), the fast HTTP stack runs
     assert "Token authentication is enabled" not in out and "token authentication on" in out
@@ -69,12 +63,7 @@ def test_two_gateway_processes_behind_an_api_key(tiny_dir):
         tokens = max(_counter(httpx.get(url + "/metrics").text, "hisparse_generation_tokens_total") for _ in range(6))
         assert tokens >= 12 * 4  # every process's tokens, whichever process answers the scrape
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out, _ = proc.communicate(timeout=90)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
+        out = stop_server(proc)
     assert proc.returncode == 0, out[-3000:]
     assert "k-9f2e1d" not in out
 
