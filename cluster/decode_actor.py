@@ -23,7 +23,6 @@ has been inside one step: a hung step thread shows up while this loop still answ
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -61,12 +60,6 @@ class DecodeActor(ReplicaRank):
         self.deadlines = deadlines or DeadlineConfig()
         self.store = TieredStore(model.cfg, tier, dtype=model.dtype, device=model.device)
         # a stand-in step writes no KV, so the idle check of what is stored would not hold
-        if self.layout is not None and (self.layout.expert_parallel or self.layout.tp > 1):
-            # The step will hold collectives once the rank joins its replica, after the worker is built: a
-            # step compiled or captured now would leave them out. Such a rank decodes eagerly.
-            if step is not None and step.decode_mode != "eager":
-                log.info("%s decodes eagerly: a step with the replica's collectives is not compiled", name)
-            step = dataclasses.replace(step or StepConfig(), decode_mode="eager")
         self.worker = DecodeWorker(model, self.store, max_running=tier.max_running, eos_ids=eos_ids, faults=faults,
                                    check_when_idle=stub is None, step_config=step)
         self.format = layout_format(model.cfg, model.dtype)

@@ -27,6 +27,7 @@ import torch
 
 from cachetier.buckets import batch_bucket, batch_buckets, context_blocks
 from cachetier.store import KVStore
+from core.parallel import WHOLE
 from core.roles import StepConfig
 from model.model import V4Model
 
@@ -53,7 +54,9 @@ class StepRunner:
         wanted = self.cfg.decode_mode
         if wanted == "auto":
             wanted = "compiled" if model.device.type == "cuda" else "eager"
-        if wanted == "compiled" and getattr(model, "comm", None) is not None:
+        if wanted == "compiled" and not getattr(model, "shard", WHOLE).whole:
+            # a shard computes only with its replica's collectives, which a compiled or captured step leaves
+            # out (and the rank joins its replica after its worker is built): such a rank decodes eagerly
             log.warning("a replica rank's step holds collectives; decoding eagerly")
             wanted = "eager"
         if wanted == "compiled" and not hasattr(model, "decode_forward"):
