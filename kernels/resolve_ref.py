@@ -93,7 +93,9 @@ def resolve_ref(
 
     stamps = hot_stamp[books]  # [batch, lru], this step's hits included
     key = torch.where(stamps >= step, NOT_FREE, (stamps + 1) * lru + torch.arange(lru, device=stamps.device))
-    key_sorted, victims_sorted = torch.sort(key, dim=1)  # keys are unique per slot, so the order is total
+    # the min(k, lru) smallest keys in order: ranks never reach past them (keys are unique per slot, so
+    # the order is total)
+    key_sorted, victims_sorted = torch.topk(key, min(k, lru), dim=1, largest=False)
     victim = victims_sorted.gather(1, rank)  # [batch, k]
     served = number <= lru
     placed = first & served & (key_sorted.gather(1, rank) < NOT_FREE)
@@ -106,8 +108,12 @@ def resolve_ref(
     # Resets before assignments: with stale bookkeeping an evicted row may also be one placed now.
     entry_map.index_put_((torch.where(evicted, old, map_dump),), torch.full_like(rows, -1, dtype=entry_map.dtype))
     entry_map.index_put_((torch.where(placed, rows, map_dump),), victim.to(entry_map.dtype))
-    book_or_dump = torch.where(placed, books_k, book_dump)
-    slot_or_0 = torch.where(placed, victim, 0)
+    # `placed | evicted` is `placed` (evicted lanes are placed ones), but it makes these writes depend on
+    # the read of `old` above: otherwise torch.compile may order the write first and then copy the whole
+    # table (every request's row) to keep the values `old` must see, on every step.
+    written = placed | evicted
+    book_or_dump = torch.where(written, books_k, book_dump)
+    slot_or_0 = torch.where(written, victim, 0)
     hot_entry_row.index_put_((book_or_dump, slot_or_0), rows)
     hot_stamp.index_put_((book_or_dump, slot_or_0), step.expand(batch, k))
     # copy every lane's host row (static shape); only placed lanes land in a real slot
