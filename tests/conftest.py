@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -40,6 +41,15 @@ def tiny_model(tiny_dir):
     from model.loader import load_model
 
     return load_model(tiny_dir)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ray_down_at_the_end():
+    """The Ray instance the modules share (tests/serving_helpers.py `local_ray`) stops with the session."""
+    yield
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 @pytest.fixture

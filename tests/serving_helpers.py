@@ -64,18 +64,32 @@ def run(loop, coro, timeout: float = 300):
     return loop.run_until_complete(asyncio.wait_for(coro, timeout))
 
 
-def start_gateway(cfg, tiny_dir):
-    """The gateway under uvicorn on a background thread; Ray and the actors in this process."""
-    from types import SimpleNamespace
+SHARED_RAY_CPUS = 8
+"""Logical CPUs of the shared instance: room for the largest module's actors (two DP2+EP2 replicas)."""
 
+
+def local_ray(tiny_dir) -> None:
+    """Join the test session's embedded Ray instance, starting it if none is up.
+
+    Starting and stopping one costs about 5 s, so the modules that run actors in this process share
+    one: each names its actors under a prefix of its own and stops them when it ends, and none shuts
+    Ray down. A module that needs a cluster of its own calls `ray.shutdown()` first, and the next
+    module here starts a fresh instance. The session's end shuts the last one down (tests/conftest.py)."""
     import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=SHARED_RAY_CPUS, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 runtime_env={"env_vars": {"HISPARSE_CACHE": str(tiny_dir.parent.parent)}})
+
+
+def start_gateway(cfg, tiny_dir):
+    """The gateway under uvicorn on a background thread; the actors in this process's (shared) Ray instance."""
+    from types import SimpleNamespace
 
     from api.server import BackgroundServer
     from cluster.service import Service
 
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 runtime_env={"env_vars": {"HISPARSE_CACHE": str(tiny_dir.parent.parent)}})
+    local_ray(tiny_dir)
     service = Service(cfg, prefix=f"e2e{cfg.server.port}")
     server = BackgroundServer(service, cfg, cfg.server.port)
     server.start()

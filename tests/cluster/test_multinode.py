@@ -21,6 +21,7 @@ TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=4 * 2**
 
 @pytest.fixture(scope="module")
 def cluster(tiny_dir):
+    ray.shutdown()  # this module's cluster has nodes of its own (see serving_helpers.local_ray)
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False})
     prefill_node = c.add_node(num_cpus=1, resources={ROLE_PREFILL: 1}, node_ip_address="127.0.0.1")
     decode_node = c.add_node(num_cpus=1, resources={ROLE_DECODE: 1}, node_ip_address="127.0.0.1")

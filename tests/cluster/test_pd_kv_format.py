@@ -8,7 +8,7 @@ import time
 
 import pytest
 import ray
-from serving_helpers import run
+from serving_helpers import local_ray, run
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service
@@ -23,14 +23,13 @@ TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=4 * 2**
 
 @pytest.fixture(scope="module")
 def service(loop, tiny_dir):
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": {"HISPARSE_CACHE": str(tiny_dir.parent.parent)}})
+    local_ray(tiny_dir)
     cfg = ServeConfig(model="tiny", kv_format="v4", tier=TIER, prefill=PrefillConfig(max_batch_tokens=256),
                       cluster=ClusterConfig(num_prefill=1, num_decode=1, placement="any", max_restarts=0))
     svc = Service(cfg, prefix="pdkv")
     run(loop, svc.start())
     yield svc
-    run(loop, svc.stop(shutdown_ray=True))
+    run(loop, svc.stop(shutdown_ray=False))
 
 
 def _requests(n: int, prompt_len: int = 60, max_tokens: int = 25):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import ray
-from serving_helpers import run, stream_with_fault
+from serving_helpers import local_ray, run, stream_with_fault
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service
@@ -21,8 +21,7 @@ TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=4 * 2**
 
 @pytest.fixture(scope="module")
 def service(loop, tiny_dir):
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": {"HISPARSE_CACHE": str(tiny_dir.parent.parent)}})
+    local_ray(tiny_dir)
     cfg = ServeConfig(
         model="tiny", tier=TIER, prefill=PrefillConfig(max_batch_tokens=256),
         cluster=ClusterConfig(num_prefill=2, num_decode=2, placement="any", max_restarts=2),
@@ -31,7 +30,7 @@ def service(loop, tiny_dir):
     svc = Service(cfg, prefix="pdtest")
     run(loop, svc.start())
     yield svc
-    run(loop, svc.stop(shutdown_ray=True))
+    run(loop, svc.stop(shutdown_ray=False))
 
 
 def _requests(n: int, prompt_len: int = 40, max_tokens: int = 30):

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import ray
-from serving_helpers import run
+from serving_helpers import local_ray, run
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service
@@ -30,12 +30,11 @@ def _config(**cluster) -> ServeConfig:
 
 @pytest.fixture(scope="module")
 def service(loop, tiny_dir):
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": {"HISPARSE_CACHE": str(tiny_dir.parent.parent)}})
+    local_ray(tiny_dir)
     svc = Service(_config(prefill_layout="tp2+ep2"), prefix="tptest")
     run(loop, svc.start())
     yield svc
-    run(loop, svc.stop(shutdown_ray=True))
+    run(loop, svc.stop(shutdown_ray=False))
 
 
 def test_tp_prefill_group_equals_one_process(loop, service, tiny_model):

@@ -15,6 +15,7 @@ def test_serve_application_answers(tiny_dir):
     from cluster.rayserve import app_builder
 
     port = free_port()
+    ray.shutdown()  # an instance of its own, with role resources (see serving_helpers.local_ray)
     ray.init(address="local", num_cpus=3, include_dashboard=False, _node_ip_address="127.0.0.1",
              resources={"hisparse_prefill": 1, "hisparse_decode": 1},
              runtime_env={"env_vars": {"HISPARSE_CACHE": str(tiny_dir.parent.parent)}})

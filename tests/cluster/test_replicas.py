@@ -33,12 +33,9 @@ def gw(tiny_dir):
                       cluster=ClusterConfig(placement="any", num_prefill=1, num_decode=1, prefill_layout="dp2+ep2",
                                             decode_layout="dp2+ep2", max_restarts=2),
                       server=ServerConfig(port=free_port()))
-    ray.init(address="local", num_cpus=6, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": {"HISPARSE_CACHE": str(tiny_dir.parent.parent)}})
     g = start_gateway(cfg, tiny_dir)
     yield g
     stop_gateway(g)
-    ray.shutdown()
 
 
 def _prompt(i: int, n: int) -> list[int]:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import ray
-from serving_helpers import run, stream_with_fault
+from serving_helpers import local_ray, run, stream_with_fault
 
 from cachetier.layout import pack_layout
 from cluster.inprocess import InProcessEngine
@@ -29,8 +29,7 @@ DEADLINES = DeadlineConfig(queue_timeout_s=2.0, step_hang_s=1.5, token_timeout_s
 
 @pytest.fixture(scope="module")
 def service(loop, tiny_dir):
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": {"HISPARSE_CACHE": str(tiny_dir.parent.parent)}})
+    local_ray(tiny_dir)
     cfg = ServeConfig(model="tiny", tier=TIER, prefill=PrefillConfig(max_batch_tokens=256),
                       cluster=ClusterConfig(num_prefill=1, num_decode=2, placement="any", max_restarts=1,
                                             prefill_num_cpus=0.5, decode_num_cpus=0.5),
@@ -38,7 +37,7 @@ def service(loop, tiny_dir):
     svc = Service(cfg, prefix="paths")
     run(loop, svc.start())
     yield svc
-    run(loop, svc.stop(shutdown_ray=True))
+    run(loop, svc.stop(shutdown_ray=False))
 
 
 def _req(i: int, prompt_len: int = 50, max_tokens: int = 20, poison: bool = False) -> GenerateRequest:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import ray
-from serving_helpers import run
+from serving_helpers import local_ray, run
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service
@@ -18,8 +18,7 @@ TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=4 * 2**
 
 
 def test_gloo_transport_hands_layouts_over(loop, tiny_dir, tiny_model):
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             runtime_env={"env_vars": {"HISPARSE_CACHE": str(tiny_dir.parent.parent)}})
+    local_ray(tiny_dir)
     svc = Service(ServeConfig(model="tiny", tier=TIER, cluster=ClusterConfig(placement="any", transport="gloo")), prefix="gloo")
     try:
         run(loop, svc.start())
@@ -39,4 +38,4 @@ def test_gloo_transport_hands_layouts_over(loop, tiny_dir, tiny_model):
         st = ray.get(svc.actors.prefill[0].stats.remote())
         assert st["held_layouts"] == 0 and st["held_bytes"] == 0  # every handoff finished and let go of its layout
     finally:
-        run(loop, svc.stop(shutdown_ray=True))
+        run(loop, svc.stop(shutdown_ray=False))

@@ -26,7 +26,6 @@ def gw(tiny_dir):
     g = start_gateway(cfg, tiny_dir)
     yield g
     stop_gateway(g)
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,6 @@ def gw(tiny_dir):
     g = start_gateway(cfg, tiny_dir)
     yield g
     stop_gateway(g)
-    ray.shutdown()
 
 
 def test_over_the_inflight_limit_is_429(gw):

@@ -3,7 +3,8 @@
 Three stores run the same decode schedule: the tier on (C4 entries in the host pool, tiny hot
 buffer), the tier off (everything in the device arena) and plain layouts (the model's own decode).
 Ten requests of mixed lengths, greedy and seeded sampling, several joining mid-run and several
-leaving early, eight or more decoding at once, over 1000 tokens for most of them.
+leaving early, eight or more decoding at once, 440 tokens or more for most of them (110 C4 entries against a hot
+buffer of 20 slots).
 
 The tier on also runs the schedule the way `decode_mode=compiled` does: padded to batch and context
 buckets, the whole step captured by `torch.compile(fullgraph=True)` (with the `eager` backend here:
@@ -23,8 +24,8 @@ from decode.worker import DecodeRequest, DecodeWorker
 from model.sampling import sample
 
 PROMPTS = [5, 40, 77, 128, 200, 333, 64, 3, 150, 91]
-MAX_TOKENS = [1050, 1020, 1000, 1010, 1040, 1000, 1030, 1000, 300, 250]
-JOIN_AT = [0, 0, 0, 0, 0, 0, 40, 90, 160, 420]  # steps at which each request is handed to decode
+MAX_TOKENS = [470, 450, 440, 460, 480, 440, 450, 440, 250, 180]
+JOIN_AT = [0, 0, 0, 0, 0, 0, 30, 60, 110, 250]  # steps at which each request is handed to decode
 
 
 CAPTURED = StepConfig(decode_mode="compiled", compile_backend="eager", warmup=False)
@@ -87,7 +88,7 @@ def streams(tiny_dir):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    names = ("on", "off", "plain", "on_captured")
+    names = ("on_captured", "on", "off", "plain")  # the slowest first: the other three run beside it
     with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {name: pool.submit(_run, name, str(tiny_dir)) for name in names}
         return {name: f.result() for name, f in futures.items()}
@@ -109,10 +110,10 @@ def test_captured_step_gives_the_same_streams(streams, name):
 
 @pytest.mark.parametrize("name", ["on_captured"])
 def test_captured_step_compiles_once_per_bucket(streams, name):
-    """Across 1000+ steps and many buckets the step is captured whole (fullgraph) and never again for a bucket it has seen."""
+    """Across 600+ steps and many buckets the step is captured whole (fullgraph) and never again for a bucket it has seen."""
     run = streams[name][2]
     steps = run["steps_by_bucket"]
-    assert len(steps) >= 5 and len({rows for rows, _ in steps}) >= 4 and len({blocks for _, blocks in steps}) >= 3
+    assert len(steps) >= 5 and len({rows for rows, _ in steps}) >= 4 and len({blocks for _, blocks in steps}) >= 2
     assert len(run["compile_log"]) == len(set(run["compile_log"])) == run["compiles"]
     assert 1 <= run["compiles"] <= 4  # symbolic rows and blocks: only sizes of 1 add a capture
     assert sum(steps.values()) == run["steps"]

@@ -78,7 +78,7 @@ def _check(layout_text: str, model_dir, tmp_path, weights: str = "packed") -> li
     return ranks
 
 
-@pytest.mark.parametrize("layout", ["dp2", "dp2+ep2", "tp2", "dp4", "dp4+ep4"])
+@pytest.mark.parametrize("layout", ["dp2", "dp2+ep2", "tp2", "dp4+ep4"])
 def test_builtin_model_layouts(layout, tiny_dir, tmp_path):
     ranks = _check(layout, tiny_dir, tmp_path)
     cfg = tiny_config()
