@@ -59,6 +59,29 @@ async def stream_with_fault(service, reqs, after_tokens: int, fault) -> tuple[di
     return got, done[0] if done else None
 
 
+def member_holding(members, request_id: str):
+    """The frontend member (a prefill or decode actor's record) holding or working on `request_id`, or None."""
+    return next((m for m in members if any(k.startswith(request_id + ".") for k in [*m.keys, *m.load])), None)
+
+
+async def complete_killing_prefill(service, req, no_restart: bool) -> list:
+    """Complete `req` through `service`, killing the prefill actor working on it 0.3 s after it took the
+    request (mid-prompt for a long prompt); the token events, as `service.complete` returns them."""
+    import ray
+
+    task = asyncio.ensure_future(service.complete(req))
+    victim = None
+    for _ in range(400):
+        victim = member_holding(service.frontend.prefill, req.request_id)
+        if victim is not None:
+            break
+        await asyncio.sleep(0.01)
+    assert victim is not None, "no prefill actor took the request"
+    await asyncio.sleep(0.3)
+    ray.kill(victim.handle, no_restart=no_restart)
+    return await task
+
+
 def run(loop, coro, timeout: float = 300):
     """Run `coro` on a loop that outlives each test (the frontend's tasks live on it)."""
     return loop.run_until_complete(asyncio.wait_for(coro, timeout))

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import ray
-from serving_helpers import local_ray, run, stream_with_fault
+from serving_helpers import complete_killing_prefill, local_ray, member_holding, run, stream_with_fault
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service
@@ -85,16 +85,12 @@ def _decode_integrity(service):
         assert ray.get(d.check_integrity.remote(), timeout=120)
 
 
-def _member_holding(members, request_id):
-    return next((m for m in members if any(k.startswith(request_id + ".") for k in [*m.keys, *m.load])), None)
-
-
 def test_decode_actor_dies_mid_stream(loop, service, tiny_model):
     reqs = _requests(2, prompt_len=60, max_tokens=120)
     ref = _inprocess(tiny_model, reqs)
 
     async def kill(r):
-        victim = _member_holding(service.frontend.decode, r.request_id)
+        victim = member_holding(service.frontend.decode, r.request_id)
         ray.kill(victim.handle, no_restart=False)
         return victim.name
 
@@ -121,20 +117,8 @@ def test_decode_actor_dies_mid_stream(loop, service, tiny_model):
 def test_prefill_actor_dies_mid_request(loop, service, tiny_model):
     req = _requests(1, prompt_len=6000, max_tokens=8)[0]  # 24 prefill steps of 256 tokens: time to kill it
 
-    async def go():
-        task = asyncio.ensure_future(service.complete(req))
-        victim = None
-        for _ in range(400):
-            victim = _member_holding(service.frontend.prefill, req.request_id)
-            if victim is not None:
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.3)
-        ray.kill(victim.handle, no_restart=False)
-        return await task
-
     before = service.frontend.retries["prefill"]
-    evs = run(loop, go())
+    evs = run(loop, complete_killing_prefill(service, req, no_restart=False))
     assert service.frontend.retries["prefill"] == before + 1
     assert [e.token.token_id for e in evs] == _inprocess(tiny_model, [req])[req.request_id]
 

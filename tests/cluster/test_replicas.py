@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 import ray
-from serving_helpers import free_port, start_gateway, stop_gateway, stream_with_fault
+from serving_helpers import complete_killing_prefill, free_port, start_gateway, stop_gateway, stream_with_fault
 
 from cluster.inprocess import InProcessEngine
 from core.roles import ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, StepConfig, TierConfig
@@ -123,20 +123,8 @@ def test_prefill_rank_killed_mid_prompt_is_retried(gw, tiny_model):
     req = GenerateRequest(f"p-{time.monotonic_ns()}", tuple(prompt), SamplingParams(max_tokens=8, ignore_eos=True))
     old = {m.name: m.handle._actor_id for m in svc.frontend.prefill}
 
-    async def go():
-        task = asyncio.ensure_future(svc.complete(req))
-        victim = None
-        for _ in range(400):
-            victim = next((m for m in svc.frontend.prefill if any(k.startswith(req.request_id + ".") for k in m.load)), None)
-            if victim is not None:
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.3)
-        ray.kill(victim.handle, no_restart=True)
-        return await task
-
     before = svc.frontend.retries["prefill"]
-    evs = gw.server.run(go(), timeout_s=500)
+    evs = gw.server.run(complete_killing_prefill(svc, req, no_restart=True), timeout_s=500)
     assert svc.frontend.retries["prefill"] >= before + 1
     assert [e.token.token_id for e in evs] == want
     assert all(m.handle._actor_id != old[m.name] for m in svc.frontend.prefill)  # both ranks are new actors

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import ray
-from serving_helpers import local_ray, run, stream_with_fault
+from serving_helpers import local_ray, member_holding, run, stream_with_fault
 
 from cachetier.layout import pack_layout
 from cluster.inprocess import InProcessEngine
@@ -137,7 +137,7 @@ def test_hung_step_thread_is_taken_out_and_its_requests_move(loop, service, tiny
     reqs = [_req(30 + i, max_tokens=120) for i in range(2)]
 
     async def pause(r):
-        victim = next(m for m in service.frontend.decode if any(k.startswith(r.request_id) for k in m.keys))
+        victim = member_holding(service.frontend.decode, r.request_id)
         await victim.handle.pause_step_thread.remote(4.0)
         return victim
 
