@@ -20,10 +20,11 @@ CONFIGS = {
 }
 
 
-def hf_config(name: str, vocab: int = 97):
+def hf_config(name: str | dict, vocab: int = 97):
+    """The HF config of one of CONFIGS (by name) or of a spec dict of the same shape."""
     from transformers import DeepseekV4Config
 
-    c = CONFIGS[name]
+    c = CONFIGS[name] if isinstance(name, str) else name
     n = len(c["layers"])
     return DeepseekV4Config(
         vocab_size=vocab, hidden_size=64, num_hidden_layers=n, num_attention_heads=4, num_key_value_heads=1,
@@ -40,7 +41,7 @@ def hf_config(name: str, vocab: int = 97):
     )
 
 
-def hf_model(name: str, seed: int = 0):
+def hf_model(name: str | dict, seed: int = 0):
     from transformers import DeepseekV4ForCausalLM
 
     cfg = hf_config(name)

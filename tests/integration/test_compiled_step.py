@@ -1,9 +1,12 @@
 """The compiled decode step against HF `transformers` and the eager step, through the tiered store.
 
-The built-in model (an HF-loadable checkpoint), two requests of different lengths decoding greedily
-side by side, HF decoding each alone. With the tier on (a hot buffer small enough to miss) the
-step runs through Inductor, compiled once for the module (its on-disk cache makes later runs
-quick); with the tier off it is captured with the `eager` backend. Logits stay within 1e-4 of HF
+A random two-layer HF model (a CSA layer with a hash-routed MoE, an HCA layer with a routed one: every
+kind of compressed attention and MoE the step has) saved by HF and loaded by our loader; two requests
+of different lengths decoding greedily side by side, HF decoding each alone. Two layers, not the
+built-in four, because Inductor's first compile grows with the layers (about 40 s here against 85 s).
+With the tier on (a hot buffer small enough to miss) the step runs through Inductor, compiled once
+for the module (its on-disk cache makes later runs quick); with the tier off it is captured with
+the `eager` backend. Logits stay within 1e-4 of HF
 and the greedy tokens are HF's, compiled and eager alike.
 """
 
@@ -14,26 +17,37 @@ import torch
 
 pytest.importorskip("transformers")
 
+from hf_reference import hf_model  # noqa: E402
+
 from cachetier.store import TieredStore  # noqa: E402
 from core.roles import StepConfig, TierConfig  # noqa: E402
 from decode.runner import StepRunner  # noqa: E402
+from model.loader import load_model  # noqa: E402
 
 TOL = 1e-4
 PROMPTS = (37, 290)  # one context block and two: the bucket is (2 rows, 2 blocks) for every step
 STEPS = 24
+SPEC = dict(layers=["csa", "hca"], window=8, hca=8, topk=4, hc=2, mlp=["hash_moe", "moe"])
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(tiny_dir, tiny_model):
-    """Per request: HF's logits of every decode step [STEPS, vocab] and its greedy tokens, from a 1-token-at-a-time run."""
-    from transformers import DeepseekV4ForCausalLM
+def pair(tmp_path_factory):
+    """(HF model, our model loaded from HF's save_pretrained directory)."""
+    hf = hf_model(SPEC, seed=5)
+    d = tmp_path_factory.mktemp("hf-step")
+    hf.save_pretrained(d)
+    return hf, load_model(d)
 
-    hf = DeepseekV4ForCausalLM.from_pretrained(tiny_dir).eval()
+
+@pytest.fixture(scope="module")
+def hf_greedy(pair):
+    """Per request: HF's logits of every decode step [STEPS, vocab] and its greedy tokens, from a 1-token-at-a-time run."""
+    hf, ours = pair
     g = torch.Generator().manual_seed(12)
     out = []
     with torch.no_grad():
         for n in PROMPTS:
-            prompt = torch.randint(6, tiny_model.cfg.vocab_size, (1, n), generator=g)
+            prompt = torch.randint(6, ours.cfg.vocab_size, (1, n), generator=g)
             r = hf(prompt, use_cache=True)
             tokens, logits, pkv = [int(r.logits[0, -1].argmax())], [], r.past_key_values
             for _ in range(STEPS):
@@ -71,15 +85,15 @@ def _decode(model, hf_greedy, offload: bool, step: StepConfig):
 @pytest.mark.parametrize(
     "offload, step",
     [
-        # Inductor's first compile of the step is a minute or more of C++ building; its cache makes reruns quick
+        # Inductor's first compile of the step is most of a minute; its on-disk cache makes reruns quick
         pytest.param(True, StepConfig(decode_mode="compiled", warmup=False), marks=pytest.mark.slow),
         (False, StepConfig(decode_mode="compiled", compile_backend="eager", warmup=False)),
         (True, StepConfig(decode_mode="eager")),
     ],
     ids=["tier_on_inductor", "tier_off_captured", "tier_on_eager"],
 )
-def test_step_matches_hf(tiny_model, hf_greedy, offload, step):
-    logits, tokens, runner, store = _decode(tiny_model, hf_greedy, offload, step)
+def test_step_matches_hf(pair, hf_greedy, offload, step):
+    logits, tokens, runner, store = _decode(pair[1], hf_greedy, offload, step)
     for b, (_, ref_logits, ref_tokens) in enumerate(hf_greedy):
         assert (logits[b] - ref_logits).abs().max().item() <= TOL, f"request {b}"
         assert tokens[b] == ref_tokens, f"request {b}"
