@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from core.types import SamplingParams, finish_reason
-from model.sampling import sample
+from model.sampling import greedy_tokens, sample
 from model.tokenizer import byte_level_tokenizer, load_tokenizer
 
 
@@ -65,6 +65,17 @@ def test_greedy_and_degenerate_filters_agree():
     assert [t.token_id for t in sample(logits, top1, [5] * 4, [0] * 4)] == greedy
     tiny_p = [SamplingParams(temperature=0.7, top_p=1e-6)] * 4
     assert [t.token_id for t in sample(logits, tiny_p, [9] * 4, [3] * 4)] == greedy
+
+
+def test_greedy_tokens_are_torch_argmax():
+    """The CPU fast path (NumPy's argmax) picks what torch's argmax picks: ties to the first index, NaN as the largest."""
+    x = torch.randn(6, 300, generator=torch.Generator().manual_seed(3))
+    x[1, 3] = x[1, 7] = 99.0
+    x[2, 40] = x[2, 9] = float("nan")
+    x[3] = 0.0
+    x[4, -1] = float("inf")
+    assert greedy_tokens(x) == x.argmax(-1).tolist() == greedy_tokens(x.double())
+    assert greedy_tokens(x.bfloat16()) == x.bfloat16().argmax(-1).tolist()  # other dtypes go through torch
 
 
 def test_seeded_sampling_is_reproducible_and_varies_with_index():
