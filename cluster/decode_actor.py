@@ -74,6 +74,9 @@ class DecodeActor(ReplicaRank):
         self.dropped_subscribers = 0
         self._stats: dict = {}
         self._sweeper: asyncio.Task | None = None
+        self._pending: list[tuple[list, list]] = []
+        """Output of finished steps not yet handed to the event loop (step thread only; see `_hand_on`)."""
+        self.worker.before_forward = self._hand_on
         self.thread = StepThread(f"decode-{name}", self._has_work, self._step, self._tick)
 
     # the step thread -----------------------------------------------------------------------------
@@ -85,29 +88,52 @@ class DecodeActor(ReplicaRank):
             self.integrity_errors += 1
             log.error("integrity check failed on an idle decode worker: %s", e)
             events = []
-        self._route(events, self.worker.take_failures())
+        failures = self.worker.take_failures()
+        if events or failures:
+            self._pending.append((events, failures))
+        if not self.worker.running:  # no forward comes next to hand it on: now
+            self._hand_on()
+
+    def _hand_on(self) -> None:
+        """Pass the output of the steps so far to the event loop, which routes it (step thread).
+
+        Called right before the next forward (`DecodeWorker.before_forward`), so that the routing, the
+        poll replies and their serialisation run on the loop while the step thread waits on the forward
+        (GIL released) instead of contending with it between steps; a step's tokens go out a few hundred
+        microseconds later, and the step-to-step gap keeps only what the next step needs."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        if self.loop is None:
+            for events, failures in pending:
+                self._route(events, failures)
+        else:
+            self.loop.call_soon_threadsafe(self._route_all, pending)
+
+    def _route_all(self, pending) -> None:
+        for events, failures in pending:
+            self._route(events, failures)
 
     def _route(self, events, failures) -> None:
-        """Put this step's output into its owners' outboxes and wake their polls (one wake per step)."""
+        """Put one step's output into its owners' outboxes and wake their polls (one wake per step)."""
         by_owner: dict[str, list] = {}
+        owner_of = self.owner_of
         for ev in events:
-            by_owner.setdefault(self.owner_of.get(ev.request_id, ""), []).append(ev)
+            owner = owner_of.get(ev.request_id, "")
+            group = by_owner.get(owner)
+            if group is None:
+                group = by_owner[owner] = []
+            group.append(ev)
             if ev.finish_reason is not None:
-                self.owner_of.pop(ev.request_id, None)
+                owner_of.pop(ev.request_id, None)
         failed: dict[str, dict] = {}
         for f in failures:
             failed.setdefault(f.owner, {})[f.request_id] = (f.message, f.kind)
-            self.owner_of.pop(f.request_id, None)
-        touched = set(by_owner) | set(failed)
-        for owner in touched:
+            owner_of.pop(f.request_id, None)
+        for owner in set(by_owner) | set(failed):
             box = self.outboxes.get(owner)
             if box is not None:
                 box.add(by_owner.get(owner, []), failed.get(owner))
-        if touched and self.loop is not None:
-            self.loop.call_soon_threadsafe(self._wake, touched)
-
-    def _wake(self, owners) -> None:
-        for owner in owners:
             ev = self.waiters.get(owner)
             if ev is not None:
                 ev.set()

@@ -79,9 +79,11 @@ class PromptLogprob:
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TokenEvent:
-    """One generated token of one request, as streamed back to the caller."""
+    """One generated token of one request, as streamed back to the caller. Treated as immutable; not frozen
+    because a frozen dataclass costs three times as much to make (0.8 against 0.25 us), and a decode step
+    makes one per running request."""
 
     request_id: str
     index: int

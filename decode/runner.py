@@ -173,13 +173,19 @@ class StepRunner:
             self.compile_log.append(view.bucket)
         return out
 
-    def run(self, request_ids: list[str], tokens: list[int]) -> torch.Tensor:
-        """Decode one token for each request (its last token in `tokens`) -> logits [requests, vocab]."""
+    def run(self, request_ids: list[str], tokens: list[int], before_forward=None) -> torch.Tensor:
+        """Decode one token for each request (its last token in `tokens`) -> logits [requests, vocab].
+        `before_forward()`, if given, runs once the step's inputs are ready, right before the forward."""
         if not self.fixed:
-            return self.model.decode_step(self.store.batch(request_ids), tokens)
+            batch = self.store.batch(request_ids)
+            if before_forward is not None:
+                before_forward()
+            return self.model.decode_step(batch, tokens)
         n = len(request_ids)
         rows = batch_bucket(n, self.max_running)
         view = self.store.step_view(request_ids, rows, tokens=tokens)
+        if before_forward is not None:
+            before_forward()
         self.steps_by_bucket[view.bucket] = self.steps_by_bucket.get(view.bucket, 0) + 1
         if self.use_graphs:
             if view.bucket not in self.graphs:

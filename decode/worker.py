@@ -28,6 +28,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cachetier.layout import KVLayout
@@ -113,6 +114,10 @@ class DecodeWorker:
         """Step in lockstep with the ranks of the model's expert-parallel replica (`join_replica`)."""
         self.last_rounds: int | None = None
         """Forwards the replica ran in the last lockstep step (0: nobody had work)."""
+        self.before_forward: Callable[[], None] | None = None
+        """Called on the step thread right before each forward, once its inputs are built: the owner hands
+        the previous step's output on there, so the threads that deliver it run while the forward does
+        (GIL released), not in the gap between steps."""
         self.reserved: dict[str, _Reservation] = {}
         self.arrivals: deque[DecodeRequest] = deque()
         self.failures: list[Failure] = []
@@ -275,7 +280,7 @@ class DecodeWorker:
         runs = [self.running[i] for i in ids]
         try:
             self._inject_faults(runs)
-            logits = self.runner.run(ids, [r.last_token for r in runs])
+            logits = self.runner.run(ids, [r.last_token for r in runs], self.before_forward)
             toks = sample(logits, [r.req.sampling for r in runs], [r.req.seed for r in runs], [r.num_generated for r in runs])
         except Exception as e:
             if self.lockstep:

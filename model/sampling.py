@@ -35,10 +35,24 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x
 
 
+_PLAIN: dict[int, SampledToken] = {}
+
+
+def _plain(token_id: int) -> SampledToken:
+    """The (immutable, so shared) SampledToken of a token without log-probabilities: one per token id, not
+    one allocation per row per step."""
+    tok = _PLAIN.get(token_id)
+    if tok is None:
+        tok = _PLAIN[token_id] = SampledToken(token_id)
+    return tok
+
+
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """The first index of each row's largest value (float logits [batch, vocab]). On the CPU through NumPy,
     whose argmax is vectorised: about 10x faster than torch's at [256, 4096] (0.09 vs 1.0 ms), the same
     indices (ties go to the first, a NaN counts as the largest)."""
+    if logits.dim() == 2 and logits.shape[0] > 1 and logits.stride(0) == 0:  # one row seen n times (a stand-in step's)
+        return greedy_tokens(logits[:1]) * logits.shape[0]
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         return logits.detach().numpy().argmax(-1).tolist()
     return logits.argmax(dim=-1).tolist()
@@ -54,6 +68,7 @@ def sample(
     """
     logits = logits.float()
     tokens = greedy_tokens(logits)
+    wanted = []
     for i, p in enumerate(params):
         if not p.greedy:
             x = _filter(logits[i], p)
@@ -61,8 +76,9 @@ def sample(
             u = torch.rand(x.shape, generator=gen, dtype=torch.float64).clamp_(min=1e-300)
             gumbel = -torch.log(-torch.log(u))
             tokens[i] = int(torch.argmax(x.double().cpu() + gumbel))
-    out = [SampledToken(t) for t in tokens]
-    wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if p.logprobs is not None:
+            wanted.append(i)
+    out = [_plain(t) for t in tokens]
     if wanted:
         rows = torch.tensor(wanted, device=logits.device)
         lp = torch.log_softmax(logits[rows], dim=-1)  # [wanted, vocab]

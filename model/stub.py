@@ -36,10 +36,13 @@ class StubModel:
         return self.real.device
 
     def _logits(self, rows: int) -> torch.Tensor:
-        if rows not in self._rows:  # made once per batch size: a real step's logits cost the serving path nothing
-            logits = torch.zeros(rows, self.cfg.vocab_size)
-            logits[:, self.token_id] = 1.0
-            self._rows[rows] = logits
+        """[rows, vocab] logits that pick `token_id`: one row seen `rows` times (a stride-0 view), made once
+        per batch size. A real step's logits stay on its device, where sampling them costs the host nothing;
+        here sampling reads the one row from cache instead of [rows, vocab] floats from memory."""
+        if rows not in self._rows:
+            row = torch.zeros(1, self.cfg.vocab_size)
+            row[0, self.token_id] = 1.0
+            self._rows[rows] = row.expand(rows, -1)
         return self._rows[rows]
 
     def decode_step(self, store: DecodeKV, token_ids) -> torch.Tensor:

@@ -76,6 +76,8 @@ def test_greedy_tokens_are_torch_argmax():
     x[4, -1] = float("inf")
     assert greedy_tokens(x) == x.argmax(-1).tolist() == greedy_tokens(x.double())
     assert greedy_tokens(x.bfloat16()) == x.bfloat16().argmax(-1).tolist()  # other dtypes go through torch
+    row = x[1:2].expand(5, -1)  # one row seen five times (a stride-0 view): argmax'd once
+    assert greedy_tokens(row) == row.argmax(-1).tolist() == [3] * 5
 
 
 def test_seeded_sampling_is_reproducible_and_varies_with_index():
