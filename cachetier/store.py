@@ -22,7 +22,7 @@ from cachetier.geometry import Geometry, block_rows
 from cachetier.host_pool import HostPool
 from cachetier.layout import KVLayout
 from cachetier.pages import BlockAllocator, OutOfPages, PageAllocator
-from cachetier.tiered_batch import TieredBatch
+from cachetier.tiered_batch import TieredBatch, num_tokens_of
 from core import device as devices
 from core.config import ModelConfig
 from core.roles import TierConfig
@@ -372,7 +372,7 @@ class TieredStore(KVStore):
 
     def context_blocks(self, residents: list[Resident]) -> int:
         """The context bucket of a step over these residents (`cachetier.buckets`)."""
-        return context_blocks(max((r.num_tokens for r in residents), default=0) + 1, self.geo.block_tokens)
+        return context_blocks(max(map(num_tokens_of, residents), default=0) + 1, self.geo.block_tokens)
 
     def batch(self, request_ids: list[str]) -> TieredBatch:
         return self.step_view(request_ids, len(request_ids))

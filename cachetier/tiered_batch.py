@@ -17,6 +17,7 @@ geometry, host pool and its row function, hot-buffer bookkeeping, device counter
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,6 +33,10 @@ if TYPE_CHECKING:
     from cachetier.store import Resident, TieredStore
 
 
+num_tokens_of, group_of = attrgetter("num_tokens"), attrgetter("group")
+"""A resident's token count and state group, for `map` over a step's residents."""
+
+
 class TieredBatch(DecodeKV):
     """A bucket-shaped view of the tiered store for one decode step."""
 
@@ -45,6 +50,7 @@ class TieredBatch(DecodeKV):
         self._meta_host = torch.zeros(3, num_rows, dtype=torch.long, pin_memory=staged)  # positions, groups, tokens
         self._tables_host = torch.zeros(2, num_rows, num_blocks, dtype=torch.long, pin_memory=staged)  # pages, host blocks
         self._meta = torch.zeros(3, num_rows, dtype=torch.long, device=dev) if staged else self._meta_host
+        self._meta_np = self._meta_host.numpy()
         self._tables = torch.zeros(2, num_rows, num_blocks, dtype=torch.long, device=dev) if staged else self._tables_host
         self.positions, self.groups, self.token_ids = self._meta.unbind(0)  # [rows] each
         self.blocks, self.host_blocks = self._tables.unbind(0)  # [rows, num_blocks] each
@@ -66,10 +72,11 @@ class TieredBatch(DecodeKV):
         if n > rows:
             raise ValueError(f"{n} requests do not fit a view of {rows} rows")
         g, pad = self.g, rows - n
-        tokens = list(tokens) if tokens is not None else [0] * n
-        meta = [[r.num_tokens for r in residents] + [0] * pad, [r.group for r in residents] + [g.scratch_group] * pad,
-                tokens + [0] * pad]
-        self._meta_host.copy_(torch.tensor(meta, dtype=torch.long))
+        meta = self._meta_np  # written through NumPy: no tensor built from Python lists every step
+        meta[0, :n] = list(map(num_tokens_of, residents))
+        meta[1, :n] = list(map(group_of, residents))
+        meta[2, :n] = list(tokens) if tokens is not None else 0
+        meta[0, n:], meta[1, n:], meta[2, n:] = 0, g.scratch_group, 0
         # The same resident objects (the previous ones are still referenced here, so no id is reused)
         key = tuple(id(r) for r in residents)
         self.residents = list(residents)
