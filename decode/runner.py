@@ -22,6 +22,7 @@ import logging
 import os
 import time
 import types
+from collections.abc import Callable
 
 import torch
 
@@ -173,7 +174,7 @@ class StepRunner:
             self.compile_log.append(view.bucket)
         return out
 
-    def run(self, request_ids: list[str], tokens: list[int], before_forward=None) -> torch.Tensor:
+    def run(self, request_ids: list[str], tokens: list[int], before_forward: Callable[[], None] | None = None) -> torch.Tensor:
         """Decode one token for each request (its last token in `tokens`) -> logits [requests, vocab].
         `before_forward()`, if given, runs once the step's inputs are ready, right before the forward."""
         if not self.fixed:

@@ -278,9 +278,14 @@ class DecodeWorker:
 
     def _decode(self, ids: list[str]) -> list[TokenEvent]:
         runs = [self.running[i] for i in ids]
+
+        def launch() -> None:  # once the step's inputs are built, right before its forward
+            if self.before_forward is not None:
+                self.before_forward()
+            self._inject_faults(runs)  # a fault stands for a forward that hangs or fails
+
         try:
-            self._inject_faults(runs)
-            logits = self.runner.run(ids, [r.last_token for r in runs], self.before_forward)
+            logits = self.runner.run(ids, [r.last_token for r in runs], launch)
             toks = sample(logits, [r.req.sampling for r in runs], [r.req.seed for r in runs], [r.num_generated for r in runs])
         except Exception as e:
             if self.lockstep:
