@@ -105,8 +105,7 @@ class DecodeActor(ReplicaRank):
             return
         pending, self._pending = self._pending, []
         if self.loop is None:
-            for events, failures in pending:
-                self._route(events, failures)
+            self._route_all(pending)
         else:
             self.loop.call_soon_threadsafe(self._route_all, pending)
 
@@ -117,19 +116,14 @@ class DecodeActor(ReplicaRank):
     def _route(self, events, failures) -> None:
         """Put one step's output into its owners' outboxes and wake their polls (one wake per step)."""
         by_owner: dict[str, list] = {}
-        owner_of = self.owner_of
         for ev in events:
-            owner = owner_of.get(ev.request_id, "")
-            group = by_owner.get(owner)
-            if group is None:
-                group = by_owner[owner] = []
-            group.append(ev)
+            by_owner.setdefault(self.owner_of.get(ev.request_id, ""), []).append(ev)
             if ev.finish_reason is not None:
-                owner_of.pop(ev.request_id, None)
+                self.owner_of.pop(ev.request_id, None)
         failed: dict[str, dict] = {}
         for f in failures:
             failed.setdefault(f.owner, {})[f.request_id] = (f.message, f.kind)
-            owner_of.pop(f.request_id, None)
+            self.owner_of.pop(f.request_id, None)
         for owner in set(by_owner) | set(failed):
             box = self.outboxes.get(owner)
             if box is not None:
