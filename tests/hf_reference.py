@@ -59,6 +59,15 @@ def hf_model(name: str | dict, seed: int = 0):
     return model
 
 
+def hf_and_ours(name: str | dict, seed: int, directory):
+    """(HF model, our model loaded by our loader from HF's `save_pretrained` of it in `directory`)."""
+    from model.loader import load_model
+
+    hf = hf_model(name, seed)
+    hf.save_pretrained(directory)
+    return hf, load_model(directory)
+
+
 def hf_step_logits(model, ids: torch.Tensor, chunks: list[int]) -> torch.Tensor:
     """HF logits of `ids` [1, L] fed in chunks of the given sizes through its cache."""
     out, pkv, a = [], None, 0

@@ -6,8 +6,8 @@ of different lengths decoding greedily side by side, HF decoding each alone. Two
 built-in four, because Inductor's first compile grows with the layers (about 40 s here against 85 s).
 With the tier on (a hot buffer small enough to miss) the step runs through Inductor, compiled once
 for the module (its on-disk cache makes later runs quick); with the tier off it is captured with
-the `eager` backend. Logits stay within 1e-4 of HF
-and the greedy tokens are HF's, compiled and eager alike.
+the `eager` backend. Logits stay within 1e-4 of HF and the greedy tokens are HF's, compiled and
+eager alike.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_reference import hf_model  # noqa: E402
+from hf_reference import hf_and_ours  # noqa: E402
 
 from cachetier.store import TieredStore  # noqa: E402
 from core.roles import StepConfig, TierConfig  # noqa: E402
 from decode.runner import StepRunner  # noqa: E402
-from model.loader import load_model  # noqa: E402
 
 TOL = 1e-4
 PROMPTS = (37, 290)  # one context block and two: the bucket is (2 rows, 2 blocks) for every step
@@ -33,10 +32,7 @@ SPEC = dict(layers=["csa", "hca"], window=8, hca=8, topk=4, hc=2, mlp=["hash_moe
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(HF model, our model loaded from HF's save_pretrained directory)."""
-    hf = hf_model(SPEC, seed=5)
-    d = tmp_path_factory.mktemp("hf-step")
-    hf.save_pretrained(d)
-    return hf, load_model(d)
+    return hf_and_ours(SPEC, 5, tmp_path_factory.mktemp("hf-step"))
 
 
 @pytest.fixture(scope="module")

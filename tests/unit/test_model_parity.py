@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from hf_reference import CONFIGS, hf_model, hf_step_logits  # noqa: E402
+from hf_reference import CONFIGS, hf_and_ours, hf_step_logits  # noqa: E402
 
 from cachetier.layout import KVLayout  # noqa: E402
 from core.types import SamplingParams  # noqa: E402
@@ -25,10 +25,7 @@ def pair(request, tmp_path_factory):
     # A fixed seed per config (str hashes change per process): runs are reproducible. Exact score ties at
     # the indexer's top-k boundary are broken by entry id here and arbitrarily by HF's torch.topk; the
     # seeds give inputs without such ties (about 1 random model in 300 has one within these prompts).
-    hf = hf_model(request.param, seed=zlib.crc32(request.param.encode()) % 1000)
-    d = tmp_path_factory.mktemp(f"hf-{request.param}")
-    hf.save_pretrained(d)
-    return hf, load_model(d)
+    return hf_and_ours(request.param, zlib.crc32(request.param.encode()) % 1000, tmp_path_factory.mktemp(f"hf-{request.param}"))
 
 
 def _ids(n: int, vocab: int, seed: int) -> torch.Tensor:
