@@ -28,37 +28,55 @@ class PageAllocator:
         self.owner: list[str | None] = [None] * self.num_pages
         self._free_heap = list(range(self.num_pages))  # lowest free page first (lazy deletion)
         self.num_free = self.num_pages
+        self._used = [0] * self.num_groups
+        """Owned pages inside each group's range: a group is free to take when it holds none. A list of ints,
+        so finding a free group is one scan in C, not a Python loop over the arena."""
 
     @property
     def num_groups(self) -> int:
         return self.num_pages // self.group_pages
 
-    def _group_free(self, g: int) -> bool:
-        start = g * self.group_pages
-        return all(o is None for o in self.owner[start : start + self.group_pages])
+    def _top_free_group(self) -> int | None:
+        """The highest group without an owned page (groups are taken from the top), or None."""
+        used = self._used
+        if 0 not in used:
+            return None
+        return len(used) - 1 - used[::-1].index(0)
+
+    def _count(self, page: int, delta: int) -> None:
+        g = page // self.group_pages
+        if g < len(self._used):  # pages past the last whole group belong to none
+            self._used[g] += delta
+
+    def group_counts_hold(self) -> bool:
+        """Whether the per-group counts kept as pages come and go equal a fresh count from the owners."""
+        gp = self.group_pages
+        return self._used == [sum(o is not None for o in self.owner[g * gp : (g + 1) * gp]) for g in range(self.num_groups)]
 
     def can_allocate(self, num_blocks: int) -> bool:
         """Whether one state group plus `num_blocks` blocks fit now."""
         if self.num_free < self.group_pages + num_blocks:
             return False
-        return any(self._group_free(g) for g in range(self.num_groups - 1, -1, -1))
+        return 0 in self._used
 
     def allocate(self, owner: str, num_blocks: int) -> tuple[int, list[int]]:
         """Take a state group (returns its index) and `num_blocks` single pages for `owner`."""
         if self.num_free < self.group_pages + num_blocks:
             raise OutOfPages(f"need {self.group_pages + num_blocks} pages, {self.num_free} free")
-        group = next((g for g in range(self.num_groups - 1, -1, -1) if self._group_free(g)), None)
+        group = self._top_free_group()
         if group is None:
             raise OutOfPages("no free state group (the free pages are fragmented by blocks)")
         start = group * self.group_pages
         for p in range(start, start + self.group_pages):
             self.owner[p] = owner
+        self._used[group] = self.group_pages
         self.num_free -= self.group_pages
         blocks = []
         while len(blocks) < num_blocks:
             p = heapq.heappop(self._free_heap)
             if self.owner[p] is None:
                 self.owner[p] = owner
+                self._count(p, 1)
                 blocks.append(p)
         self.num_free -= num_blocks
         return group, blocks
@@ -69,6 +87,7 @@ class PageAllocator:
             if self.owner[p] != owner:
                 raise RuntimeError(f"page {p} is owned by {self.owner[p]!r}, not {owner!r}")
             self.owner[p] = None
+            self._count(p, -1)
             heapq.heappush(self._free_heap, p)
         self.num_free += self.group_pages + len(blocks)
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from cachetier.geometry import BudgetTooSmall, Geometry
+from cachetier.pages import PageAllocator
 from cachetier.store import IntegrityError, TieredStore
 from core.roles import TierConfig
 from core.types import NeverFitsError, SamplingParams
@@ -154,3 +157,34 @@ def test_worker_checks_integrity_when_it_goes_idle(tiny_model):
     with pytest.raises(IntegrityError):
         while worker.has_work():
             worker.step()
+
+
+def _top_free_group_by_scan(pages: PageAllocator) -> int | None:
+    gp = pages.group_pages
+    free = [g for g in range(pages.num_groups) if all(o is None for o in pages.owner[g * gp : (g + 1) * gp])]
+    return free[-1] if free else None
+
+
+def test_page_allocator_picks_groups_as_a_scan_of_the_owners_would():
+    """Groups come from the top and blocks from the bottom; the per-group counts the allocator keeps to find a
+    free group quickly agree with the owners after any mix of allocations and frees."""
+    rng = random.Random(3)
+    pages = PageAllocator(num_pages=64, group_pages=4)
+    held: dict[str, tuple[int, list[int]]] = {}
+    for i in range(400):
+        if held and (rng.random() < 0.45 or not pages.can_allocate(3)):
+            owner = rng.choice(sorted(held))
+            pages.free(owner, *held.pop(owner))
+        else:
+            n = rng.randint(0, 6)
+            expect = _top_free_group_by_scan(pages)
+            if not pages.can_allocate(n):
+                assert expect is None or pages.num_free < pages.group_pages + n
+                continue
+            group, blocks = pages.allocate(f"r{i}", n)
+            assert group == expect and len(blocks) == n
+            held[f"r{i}"] = (group, blocks)
+        assert pages.group_counts_hold()
+    for owner, (group, blocks) in held.items():
+        pages.free(owner, group, blocks)
+    assert pages.num_free == 64 and pages.group_counts_hold()
