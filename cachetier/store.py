@@ -18,7 +18,7 @@ import torch
 
 from cachetier.batch import INDEX, MAIN, DecodeKV, LayoutBatch
 from cachetier.buckets import context_blocks
-from cachetier.geometry import Geometry, block_rows
+from cachetier.geometry import Field, Geometry, block_rows
 from cachetier.host_pool import HostPool
 from cachetier.layout import KVLayout
 from cachetier.pages import BlockAllocator, OutOfPages, PageAllocator
@@ -211,10 +211,13 @@ class TieredStore(KVStore):
         """The arena as rows of `width` elements."""
         return self.arena.view(-1, width)
 
-    def put_at(self, starts: torch.Tensor, values: torch.Tensor) -> None:
-        """Arena elements starts[i] .. starts[i] + width <- values[i] (values [n, width], already arena-typed)."""
-        idx = starts[:, None] + torch.arange(values.shape[-1], device=starts.device)
-        self.arena[idx] = values.to(self.device)
+    def put_field(self, base: int, f: Field, values: torch.Tensor) -> None:
+        """A whole field of a state group or page (its rows lie back to back from `base + f.offset`) <- values
+        (already arena-typed, f's shape): one contiguous copy, no index tensor."""
+        if values.numel() != f.numel:
+            raise ValueError(f"{values.numel()} values for a field of {f.numel} elements {f.shape}")
+        start = base + f.offset
+        self.arena[start : start + f.numel] = values.reshape(-1).to(self.device)
 
     def hot_view(self, j: int) -> torch.Tensor:
         """[groups + 1, hot_slots, row] view of CSA layer j's hot buffers, indexed by state group (scratch last)."""
@@ -312,8 +315,8 @@ class TieredStore(KVStore):
         self._check_rows(layout)
         gb = self.group_base(r.group)
         sf = g.state_fields
-        swa = torch.stack([lk.window for lk in layout.layers]).to(dev, self.arena.dtype)  # [layers, window, row]
-        self.rows(g.md)[sf["swa"].row(gb, torch.arange(g.cfg.num_layers * g.window, device=dev))] = swa.flatten(0, 1)
+        self.put_field(gb, sf["swa"], torch.stack([lk.window for lk in layout.layers]).to(self.arena.dtype))  # [layers, window, row]
+        rows = None
         for layer, lk in enumerate(layout.layers):
             comps = [(MAIN, lk.compressor), (INDEX, lk.index_compressor)]
             for name, st in comps:
@@ -323,20 +326,11 @@ class TieredStore(KVStore):
                     t = getattr(st, part)
                     if t is None:
                         continue
-                    f = sf[f"{layer}.{name}.{part}"]
-                    self.put_at(f.start(gb, torch.arange(f.shape[0], device=dev)), g.state_to_arena(t.to(dev)))
+                    self.put_field(gb, sf[f"{layer}.{name}.{part}"], g.state_to_arena(t))
             if lk.kind == "csa":
-                j = g.csa_index[layer]
-                n = lk.num_entries
-                e = torch.arange(n, device=dev)
-                page = r.blocks_t[e // g.e4]
-                f = g.block_fields["index_keys"]
-                self.put_at(f.start(self.page_base(page), j * g.e4 + e % g.e4), lk.index_keys.to(dev, self.arena.dtype))
-                if not g.offload:
-                    f = g.block_fields["c4"]
-                    self.rows(g.md)[f.row(self.page_base(page), j * g.e4 + e % g.e4)] = lk.entries.to(dev, self.arena.dtype)
-                else:
-                    self._admit_c4(r, j, lk.entries)
+                if rows is None:  # the index tensors every CSA layer of this request shares: made once
+                    rows = self._c4_rows(r, lk.num_entries)
+                self._write_c4(r, g.csa_index[layer], lk, rows)
             elif lk.kind == "hca":
                 j = g.hca_index[layer]
                 e = torch.arange(lk.num_entries, device=dev)
@@ -344,24 +338,46 @@ class TieredStore(KVStore):
                 page = r.blocks_t[e // g.eh]
                 self.rows(g.md)[f.row(self.page_base(page), j * g.eh + e % g.eh)] = lk.entries.to(dev, self.arena.dtype)
 
-    def _admit_c4(self, r: Resident, j: int, entries: torch.Tensor) -> None:
-        """Tier on: C4 entries go to the host pool; the newest `reserved` also to the ring of the hot buffer."""
-        g = self.geo
-        n = entries.shape[0]
-        self.host.kv[j, self.host.rows(r.host_blocks_t, torch.arange(n))] = entries.to("cpu", self.host.kv.dtype)
+    def _c4_rows(self, r: Resident, n: int) -> dict[str, torch.Tensor]:
+        """Where a request's `n` C4 entries (and their indexer keys) go, for CSA layer 0; layer j is offset."""
+        g, dev = self.geo, self.device
+        e = torch.arange(n, device=dev)
+        pb = self.page_base(r.blocks_t[e // g.e4])
+        f = g.block_fields["index_keys"]
+        out = {"keys": f.start(pb, e % g.e4)[:, None] + torch.arange(f.width, device=dev)}
+        if not g.offload:
+            out["c4"] = g.block_fields["c4"].row(pb, e % g.e4)
+            return out
+        out["host"] = self.host.rows(r.host_blocks_t, e.cpu())
+        out["map"] = (r.blocks_t[:, None] * g.e4 + torch.arange(g.e4, device=dev)).flatten()
+        if g.reserved and n:
+            newest = e[max(0, n - g.reserved):]
+            out["newest"], out["newest_cpu"] = newest, newest.cpu()
+            out["slots"] = g.lru + newest % g.reserved
+            out["hot_rows"] = block_rows(r.blocks_t, newest, g.e4)
+            out["slots32"] = out["slots"].to(torch.int32)
+        return out
+
+    def _write_c4(self, r: Resident, j: int, lk, rows: dict[str, torch.Tensor]) -> None:
+        """CSA layer j's indexer keys into the request's pages; its C4 entries into its pages (tier off) or into
+        the host pool, the newest `reserved` of them also into the ring of the hot buffer (tier on)."""
+        g, dt = self.geo, self.arena.dtype
+        self.arena[rows["keys"] + j * g.e4 * g.block_fields["index_keys"].width] = lk.index_keys.to(self.device, dt)
+        if not g.offload:
+            self.rows(g.md)[rows["c4"] + j * g.e4] = lk.entries.to(self.device, dt)
+            return
+        entries = lk.entries
+        self.host.kv[j, rows["host"]] = entries.to("cpu", self.host.kv.dtype)
         # fresh bookkeeping: no entry of this request is resident, the LRU part is empty
-        map_rows_all = (r.blocks_t[:, None] * g.e4 + torch.arange(g.e4, device=self.device)).flatten()
-        self.entry_map[j][map_rows_all] = -1
+        self.entry_map[j][rows["map"]] = -1
         self.hot_entry_row[j][r.group] = -1
         self.hot_stamp[j][r.group] = -1
-        if g.reserved and n:
-            newest = torch.arange(max(0, n - g.reserved), n, device=self.device)
-            slots = g.lru + newest % g.reserved
-            rows = block_rows(r.blocks_t, newest, g.e4)
-            self.hot_view(j)[r.group, slots] = entries[newest.cpu()].to(self.device, self.arena.dtype)
-            self.entry_map[j][rows] = slots.to(torch.int32)
-            self.hot_entry_row[j][r.group, slots] = rows
-            self.bytes_h2d_admit += newest.numel() * g.main_bytes
+        if "slots" in rows:
+            slots = rows["slots"]
+            self.hot_view(j)[r.group, slots] = entries[rows["newest_cpu"]].to(self.device, dt)
+            self.entry_map[j][rows["hot_rows"]] = rows["slots32"]
+            self.hot_entry_row[j][r.group, slots] = rows["hot_rows"]
+            self.bytes_h2d_admit += slots.numel() * g.main_bytes
 
     def free(self, request_id: str) -> None:
         with self._alloc_lock:
@@ -380,7 +396,7 @@ class TieredStore(KVStore):
     def step_view(
         self, request_ids: list[str], num_rows: int, num_blocks: int | None = None, tokens: list[int] | None = None
     ) -> TieredBatch:
-        res = [self.residents[r] for r in request_ids]
+        res = list(map(self.residents.__getitem__, request_ids))
         key = (num_rows, num_blocks or self.context_blocks(res))
         if key not in self._views:  # its buffers stay, so a graph captured on them replays with each step's contents
             self._views[key] = TieredBatch(self, *key)
@@ -433,6 +449,8 @@ class TieredStore(KVStore):
         expect = sum(g.group_pages + len(r.blocks) for r in self.residents.values())
         if owned != expect:
             fail(f"device pages: {owned} owned but residents hold {expect}")
+        if not self.pages.group_counts_hold():
+            fail("device pages: the per-group counts the allocator keeps differ from the pages' owners")
         for r in self.residents.values():
             gp = range(r.group * g.group_pages, (r.group + 1) * g.group_pages)
             if any(self.pages.owner[p] != r.request_id for p in [*gp, *r.blocks]):

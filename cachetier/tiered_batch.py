@@ -78,7 +78,7 @@ class TieredBatch(DecodeKV):
         meta[2, :n] = list(tokens) if tokens is not None else 0
         meta[0, n:], meta[1, n:], meta[2, n:] = 0, g.scratch_group, 0
         # The same resident objects (the previous ones are still referenced here, so no id is reused)
-        key = tuple(id(r) for r in residents)
+        key = tuple(map(id, residents))
         self.residents = list(residents)
         if key != self._tables_for:
             host_scratch = g.num_host_blocks  # the host pool's last block is scratch
