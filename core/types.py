@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
@@ -91,6 +92,52 @@ class TokenEvent:
     token: SampledToken
     finish_reason: str | None = None
     """`stop` (end-of-sequence or stop token), `length` (max_tokens), `abort`, or None while running."""
+
+
+class StepTokens(Sequence):
+    """One decode step's new tokens, columnar: the step's request ids, token indices and token ids side by
+    side, plus the finish reasons of the rows that ended. A step makes a handful of objects however many
+    rows it has; a `TokenEvent` is built only when one is read, on whichever thread reads it (the decode
+    actor routes a step's output on its event loop, while the step thread runs the next forward)."""
+
+    __slots__ = ("ids", "index", "tokens", "sampled", "reasons")
+
+    def __init__(self, ids: Sequence[str], index: Sequence[int], tokens: Sequence[int],
+                 sampled: Sequence[SampledToken] | None = None, reasons: dict[int, str] | None = None) -> None:
+        self.ids, self.index, self.tokens = ids, index, tokens
+        self.sampled = sampled
+        """Each row's SampledToken where they carry log-probabilities; None: plain token ids."""
+        self.reasons = reasons or {}
+        """row -> finish reason, for the rows that ended."""
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __iter__(self):
+        reasons = self.reasons
+        sampled = self.sampled or map(plain_token, self.tokens)
+        indices = self.index.tolist() if hasattr(self.index, "tolist") else self.index  # a NumPy column, usually
+        for row, (rid, index, tok) in enumerate(zip(self.ids, indices, sampled)):
+            yield TokenEvent(rid, index, tok, reasons.get(row))
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return list(self)[i]
+        i = range(len(self.ids))[i]
+        tok = self.sampled[i] if self.sampled is not None else plain_token(self.tokens[i])
+        return TokenEvent(self.ids[i], int(self.index[i]), tok, self.reasons.get(i))
+
+
+_PLAIN: dict[int, SampledToken] = {}
+
+
+def plain_token(token_id: int) -> SampledToken:
+    """The (immutable, so shared) SampledToken of a token without log-probabilities: one per token id, not
+    one allocation per row per step."""
+    tok = _PLAIN.get(token_id)
+    if tok is None:
+        tok = _PLAIN[token_id] = SampledToken(token_id)
+    return tok
 
 
 class HisparseError(Exception):

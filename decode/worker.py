@@ -28,17 +28,19 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from cachetier.layout import KVLayout
 from cachetier.store import KVStore
 from core.roles import FaultConfig, StepConfig
-from core.types import SampledToken, SamplingParams, TokenEvent, finish_reason
+from core.types import SampledToken, SamplingParams, StepTokens, TokenEvent, finish_reason
 from decode.runner import StepRunner
 from model.model import V4Model
 from model.parallel import ReplicaBroken
-from model.sampling import sample
+from model.sampling import greedy_tokens, sample
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,36 @@ class _Running:
     num_generated: int
 
 
+class _Group:
+    """Requests that decode in one forward, held column by column between steps: built when the running set
+    changes, then each step reads its inputs from here and writes its progress back here, so a steady batch
+    costs a few vector operations per step instead of Python work per request. While a group exists its
+    columns, not its `_Running` objects, hold each request's last token and count (`sync` writes them back)."""
+
+    __slots__ = ("ids", "runs", "params", "seeds", "tokens", "num_generated", "max_tokens", "stops", "plain", "faults")
+
+    def __init__(self, ids: list[str], runs: list[_Running], eos_ids: tuple[int, ...]) -> None:
+        self.ids, self.runs = ids, runs
+        self.params = [r.req.sampling for r in runs]
+        self.seeds = [r.req.seed for r in runs]
+        self.tokens = [r.last_token for r in runs]
+        self.num_generated = np.array([r.num_generated for r in runs], dtype=np.int64)
+        self.max_tokens = np.array([p.max_tokens for p in self.params], dtype=np.int64)
+        stops = set(eos_ids)
+        for p in self.params:
+            stops.update(p.stop_token_ids)
+        self.stops = frozenset(stops)
+        """Every token that ends some row (end-of-sequence and stop ids): only rows that drew one of these, or
+        reached their length, are asked `finish_reason`."""
+        self.plain = all(p.greedy and p.logprobs is None for p in self.params)
+        """Greedy without log-probabilities everywhere: a token id per row is all sampling has to give."""
+        self.faults = {r.req.fault for r in runs} - {None}
+
+    def sync(self) -> None:
+        for run, tok, n in zip(self.runs, self.tokens, self.num_generated.tolist()):
+            run.last_token, run.num_generated = tok, n
+
+
 @dataclass
 class _Reservation:
     owner: str
@@ -110,6 +142,8 @@ class DecodeWorker:
         self.faults = faults or FaultConfig()
         self.waiting: deque[DecodeRequest] = deque()
         self.running: dict[str, _Running] = {}
+        self._groups: list[_Group] | None = None
+        """The running requests as the next step's groups; None after the running set changed (`_regroup`)."""
         self.lockstep = False
         """Step in lockstep with the ranks of the model's expert-parallel replica (`join_replica`)."""
         self.last_rounds: int | None = None
@@ -162,8 +196,7 @@ class DecodeWorker:
         """Stop a request wherever it is; its memory in both tiers returns at once (step thread only)."""
         found = False
         if request_id in self.running:
-            del self.running[request_id]
-            self.store.free(request_id)
+            self._leave([request_id])
             found = True
         else:
             with self._lock:
@@ -220,6 +253,7 @@ class DecodeWorker:
                 self.store.free(req.request_id)
                 self._fail(req.request_id, req.owner, f"writing its layout failed: {e}", "layout")
                 continue
+            self._running_changed()
             self.running[req.request_id] = _Running(req, req.first_token.token_id, req.num_generated)
         # queued requests, in arrival order while they fit
         while self.waiting and len(self.running) < self.max_running:
@@ -228,6 +262,7 @@ class DecodeWorker:
                 break  # arrival order: nobody jumps the queue
             self.waiting.popleft()
             self.store.admit(req.request_id, req.layout, req.reserve_tokens)
+            self._running_changed()
             self.running[req.request_id] = _Running(req, req.first_token.token_id, req.num_generated)
         # reservations whose layout never came
         if self.reserved:
@@ -250,13 +285,13 @@ class DecodeWorker:
             raise ValueError("lockstep needs a model attached to an expert-parallel replica")
         self.lockstep = True
 
-    def step(self) -> list[TokenEvent]:
-        """Admit what arrived or fits, decode one token for every running request; returns the new tokens.
-        Requests that failed are collected by `take_failures`."""
+    def step(self) -> Sequence[TokenEvent]:
+        """Admit what arrived or fits, decode one token for every running request; returns the new tokens
+        (a `StepTokens` when one forward ran). Requests that failed are collected by `take_failures`."""
         self._admit()
-        solo = [rid for rid, run in self.running.items() if run.req.solo]
-        batch = [rid for rid, run in self.running.items() if not run.req.solo]
-        groups = ([batch] if batch else []) + [[rid] for rid in solo]
+        if self._groups is None:
+            self._groups = self._regroup()
+        groups = self._groups
         rounds = len(groups)
         if self.lockstep:
             self.last_rounds = rounds = self.model.comm.rounds(len(groups))
@@ -266,51 +301,80 @@ class DecodeWorker:
             if not self.lockstep or rounds:
                 self._check_if_idle()
             return []
-        events = []
-        for ids in groups:
-            events += self._decode(ids)
+        ended: list[str] = []
+        outputs = [self._decode(g, ended) for g in groups]
         for _ in range(rounds - len(groups)):
             self.model.idle_forward()
+        if ended:
+            self._leave(ended)
         self.steps += 1
+        events = outputs[0] if len(outputs) == 1 else [ev for out in outputs for ev in out]
         self.tokens_out += len(events)
         self._check_if_idle()
         return events
 
-    def _decode(self, ids: list[str]) -> list[TokenEvent]:
-        runs = [self.running[i] for i in ids]
+    def _regroup(self) -> list[_Group]:
+        """The forwards of a step: every request that is not solo in one, then each solo request alone."""
+        batch = [(rid, run) for rid, run in self.running.items() if not run.req.solo]
+        groups = [_Group([rid for rid, _ in batch], [run for _, run in batch], self.eos_ids)] if batch else []
+        return groups + [_Group([rid], [run], self.eos_ids) for rid, run in self.running.items() if run.req.solo]
 
+    def _running_changed(self) -> None:
+        """Before the running set changes: write the groups' columns back to their requests, drop the groups."""
+        if self._groups is not None:
+            for g in self._groups:
+                g.sync()
+            self._groups = None
+
+    def _leave(self, request_ids: list[str]) -> None:
+        """These running requests stop; their memory returns at once."""
+        self._running_changed()
+        for rid in request_ids:
+            del self.running[rid]
+            self.store.free(rid)
+
+    def _decode(self, g: _Group, ended: list[str]) -> StepTokens:
+        """One forward over a group; the ids of rows that finished (or failed) are added to `ended`."""
         def launch() -> None:  # once the step's inputs are built, right before its forward
             if self.before_forward is not None:
                 self.before_forward()
-            self._inject_faults(runs)  # a fault stands for a forward that hangs or fails
+            if g.faults:
+                self._inject_faults(g.faults)  # a fault stands for a forward that hangs or fails
 
         try:
-            logits = self.runner.run(ids, [r.last_token for r in runs], launch)
-            toks = sample(logits, [r.req.sampling for r in runs], [r.req.seed for r in runs], [r.num_generated for r in runs])
+            logits = self.runner.run(g.ids, g.tokens, launch)
+            if g.plain:
+                sampled, tokens = None, greedy_tokens(logits.float())
+            else:
+                sampled = sample(logits, g.params, g.seeds, g.num_generated.tolist())
+                tokens = [t.token_id for t in sampled]
         except Exception as e:
             if self.lockstep:
                 raise ReplicaBroken(f"a decode step failed on a replica rank: {type(e).__name__}: {e}") from e
             # The step may have written part of these requests' state: drop them all, each to be prefilled again.
             self.failed_steps += 1
-            log.exception("decode step over %d request(s) failed; failing them", len(ids))
-            for rid, run in zip(ids, runs):
-                del self.running[rid]
-                self.store.free(rid)
+            log.exception("decode step over %d request(s) failed; failing them", len(g.ids))
+            for rid, run in zip(g.ids, g.runs):
+                ended.append(rid)
                 self._fail(rid, run.req.owner, f"a decode step it was in failed: {type(e).__name__}: {e}", "step")
-            return []
-        events = []
-        for rid, run, tok in zip(ids, runs, toks):
-            run.num_generated += 1
-            run.last_token = tok.token_id
-            reason = finish_reason(tok.token_id, run.num_generated, run.req.sampling, self.eos_ids)
-            events.append(TokenEvent(rid, run.num_generated - 1, tok, reason))
+            return StepTokens([], [], [])
+        g.tokens = tokens
+        g.num_generated += 1
+        counts = g.num_generated
+        # `finish_reason` decides; it is asked only for rows that drew a stop token or reached their length
+        maybe = np.flatnonzero(counts >= g.max_tokens).tolist()
+        hit = g.stops.intersection(tokens)
+        if hit:
+            maybe = sorted(set(maybe).union(i for i, t in enumerate(tokens) if t in hit))
+        reasons = {}
+        for row in maybe:
+            reason = finish_reason(tokens[row], int(counts[row]), g.params[row], self.eos_ids)
             if reason is not None:
-                del self.running[rid]
-                self.store.free(rid)
-        return events
+                reasons[row] = reason
+                ended.append(g.ids[row])
+        return StepTokens(g.ids, counts - 1, tokens, sampled, reasons)
 
-    def _inject_faults(self, runs: list[_Running]) -> None:
-        faults = {r.req.fault for r in runs}
+    def _inject_faults(self, faults: set[str]) -> None:
         if "hang" in faults:
             log.warning("injected fault: the step thread blocks for %.0f s", self.faults.hang_s)
             time.sleep(self.faults.hang_s)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from core.types import SampledToken, SamplingParams
+from core.types import SampledToken, SamplingParams, plain_token
 
 
 def draw_seed(seed: int, index: int) -> int:
@@ -33,18 +33,6 @@ def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         drop = (probs.cumsum(-1) - probs) >= p.top_p
         x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     return x
-
-
-_PLAIN: dict[int, SampledToken] = {}
-
-
-def _plain(token_id: int) -> SampledToken:
-    """The (immutable, so shared) SampledToken of a token without log-probabilities: one per token id, not
-    one allocation per row per step."""
-    tok = _PLAIN.get(token_id)
-    if tok is None:
-        tok = _PLAIN[token_id] = SampledToken(token_id)
-    return tok
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
@@ -78,7 +66,7 @@ def sample(
             tokens[i] = int(torch.argmax(x.double().cpu() + gumbel))
         if p.logprobs is not None:
             wanted.append(i)
-    out = [_plain(t) for t in tokens]
+    out = [plain_token(t) for t in tokens]
     if wanted:
         rows = torch.tensor(wanted, device=logits.device)
         lp = torch.log_softmax(logits[rows], dim=-1)  # [wanted, vocab]

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from cachetier.store import TieredStore
-from core.roles import FaultConfig, TierConfig
-from core.types import SamplingParams
+from core.roles import FaultConfig, StubConfig, TierConfig
+from core.types import SampledToken, SamplingParams
 from decode.worker import DecodeRequest, DecodeWorker
 from model.sampling import sample
+from model.stub import StubModel
 
 TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=4 * 2**20, host_pool_bytes=16 * 2**20)
 
@@ -166,4 +167,56 @@ def test_abort_returns_memory_wherever_the_request_is(tiny_model):
     assert worker.abort("run") and worker.abort("arr") and worker.abort("res")
     assert not worker.abort("res")  # twice: nothing left to stop
     assert not worker.has_work()
+    _empty(store)
+
+
+class _Counting(StubModel):
+    """A stand-in whose step makes every row's next token its last token + 1: each request's stream is known
+    ahead, whatever batch it decodes in."""
+
+    def decode_step(self, store, token_ids):
+        store.advance()
+        nxt = (torch.as_tensor(list(token_ids)) + 1) % self.cfg.vocab_size
+        logits = torch.zeros(len(nxt), self.cfg.vocab_size)
+        logits[torch.arange(len(nxt)), nxt] = 1.0
+        return logits
+
+
+@pytest.mark.parametrize("with_logprobs", [False, True])
+def test_a_step_batch_ends_each_request_by_its_own_rule(tiny_model, with_logprobs):
+    """Length, stop ids, end-of-sequence and ignore_eos side by side in one batch (greedy token ids only, or with
+    a request that asks for log-probabilities), and a solo request beside them."""
+    model = _Counting(tiny_model, StubConfig(decode_step_s=0.0))
+    eos = tiny_model.cfg.eos_token_ids[0]
+    store = TieredStore(tiny_model.cfg, TIER)
+    worker = DecodeWorker(model, store, eos_ids=(eos,))
+    layout = tiny_model.prefill(list(range(6, 30)), last_only=True)[1]
+
+    def req(rid, first, solo=False, **sp):
+        return DecodeRequest(rid, layout.clone(), SampledToken(first), SamplingParams(**sp), 0, solo=solo)
+
+    worker.submit(req("length", 100, max_tokens=5, ignore_eos=True))
+    worker.submit(req("stop_id", 200, max_tokens=10, stop_token_ids=(203,)))
+    worker.submit(req("eos", eos - 1, max_tokens=10))
+    worker.submit(req("past_eos", eos - 1, max_tokens=3, ignore_eos=True))
+    worker.submit(req("solo", 300, solo=True, max_tokens=3, ignore_eos=True))
+    if with_logprobs:
+        worker.submit(req("logprobs", 400, max_tokens=3, ignore_eos=True, logprobs=1))
+    seen: dict[str, list] = {}
+    while worker.has_work():
+        for ev in worker.step():
+            assert type(ev.index) is int and type(ev.token.token_id) is int
+            assert (ev.token.logprob is not None) == (ev.request_id == "logprobs")
+            seen.setdefault(ev.request_id, []).append((ev.index, ev.token.token_id, ev.finish_reason))
+    want = {
+        "length": [(1, 101, None), (2, 102, None), (3, 103, None), (4, 104, "length")],
+        "stop_id": [(1, 201, None), (2, 202, None), (3, 203, "stop")],
+        "eos": [(1, eos, "stop")],
+        "past_eos": [(1, eos, None), (2, eos + 1, "length")],
+        "solo": [(1, 301, None), (2, 302, "length")],
+    }
+    if with_logprobs:
+        want["logprobs"] = [(1, 401, None), (2, 402, "length")]
+    assert seen == want
+    assert not worker.running
     _empty(store)
