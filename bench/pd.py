@@ -142,6 +142,8 @@ def compare(reqs: list[GenerateRequest], tier: TierConfig, prefill: PrefillConfi
     try:
         asyncio.run(go())
     finally:
+        for setup in setups.values():
+            setup.engine.close()
         if ray.is_initialized():
             ray.shutdown()
 
