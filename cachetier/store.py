@@ -352,7 +352,7 @@ class TieredStore(KVStore):
         out["map"] = (r.blocks_t[:, None] * g.e4 + torch.arange(g.e4, device=dev)).flatten()
         if g.reserved and n:
             newest = e[max(0, n - g.reserved):]
-            out["newest"], out["newest_cpu"] = newest, newest.cpu()
+            out["newest_cpu"] = newest.cpu()
             out["slots"] = g.lru + newest % g.reserved
             out["hot_rows"] = block_rows(r.blocks_t, newest, g.e4)
             out["slots32"] = out["slots"].to(torch.int32)
