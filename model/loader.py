@@ -12,18 +12,20 @@ on them) or are dequantized to the model dtype (`weights="dequantize"`, the refe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from core.config import WEIGHT_MODES, WEIGHTS_DEQUANTIZE, WEIGHTS_PACKED, ModelConfig
+from core.config import WEIGHT_MODES, WEIGHTS_PACKED, ModelConfig
 from core.kv_format import AUTO
 from core.parallel import WHOLE, ParallelLayout, Shard
 from kernels.formats import FP4_BLOCK, FP8_BLOCK, dequant_fp4, dequant_fp8, e8m0_to_float, float_to_e8m0
@@ -137,44 +139,120 @@ def _our_name(raw: str) -> str:
     return canonical_name(raw)
 
 
-def _read_shard(fh, raw: str, cfg: ModelConfig, shard: Shard) -> torch.Tensor | None:
-    """Only what `shard` keeps of tensor `raw` (read as a slice; None: another rank's expert)."""
+# --------------------------------------------------------------------------------------------- reading
+#
+# A load runs in three passes so that host memory stays near the model's own bytes: (1) the safetensors headers
+# describe every tensor this rank reads as a meta tensor (shape and dtype, no data); (2) a plan maps each of the
+# model's tensors to the checkpoint tensors that fill it, and names, shapes, scale layouts and packing are all
+# decided and checked from those descriptions; (3) the model is allocated once at its final dtype and device and
+# each checkpoint tensor is read from the memory-mapped file, written into its place and dropped.
+
+_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
+    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64,
+    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+}
+"""safetensors' dtype names as torch dtypes, to describe a tensor from its file header alone."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """One checkpoint tensor as this rank reads it: its name in the file, the file, and the part the rank keeps
+    as a meta tensor."""
+
+    raw: str
+    file: Path
+    meta: torch.Tensor
+
+
+def _rank_part(raw: str, t, cfg: ModelConfig, shard: Shard):
+    """What `shard` keeps of checkpoint tensor `raw`, given as a meta tensor or a safetensors slice: `t` itself
+    when the rank keeps all of it, its slice (read, for a safetensors slice) when the rank keeps part of it,
+    None for another rank's expert."""
+    if shard.whole:
+        return t
     name = _our_name(raw)
     m = _EXPERT.match(name if not name.endswith(".scale") else name[: -len(".scale")] + ".weight")
     if m:
         first, count = shard.experts(cfg)
-        return fh.get_tensor(raw) if first <= int(m.group(2)) < first + count else None
+        return t if first <= int(m.group(2)) < first + count else None
     try:
-        whole = fh.get_slice(raw)
-        part = take_shard(name, whole, cfg, shard)
-        return fh.get_tensor(raw) if part is whole else part
+        return take_shard(name, t, cfg, shard)
     except ValueError as e:
         raise CheckpointError(str(e)) from None
 
 
-def read_tensors(model_dir: Path, cfg: ModelConfig | None = None, shard: Shard = WHOLE) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, or with a `shard` (and the model's `cfg`) only that rank's slices: other
-    ranks' experts are never read, split projections are read as slices."""
-    tensors: dict[str, torch.Tensor] = {}
-    for f in _files(model_dir):
+class _Checkpoint:
+    """A checkpoint's files, held open (memory-mapped) for one load. `sources` describes every tensor this rank
+    reads (other ranks' experts and the MTP block left out); `read` hands one over, only this rank's slice of it."""
+
+    def __init__(self, model_dir: Path, cfg: ModelConfig, shard: Shard) -> None:
+        self.cfg, self.shard = cfg, shard
+        self._files = contextlib.ExitStack()
+        self._handles: dict[Path, object] = {}
+        self.sources: dict[str, _Source] = {}
         try:
-            with safe_open(str(f), framework="pt") as fh:
-                for k in fh.keys():
-                    if _IGNORED.match(k):  # not served (the multi-token-prediction block)
-                        continue
-                    if shard.whole:
-                        tensors[k] = fh.get_tensor(k)
-                    elif (t := _read_shard(fh, k, cfg, shard)) is not None:
-                        tensors[k] = t
+            for f in _files(model_dir):
+                self._scan(f)
+        except BaseException:
+            self.close()
+            raise
+
+    def _scan(self, f: Path) -> None:
+        try:
+            fh = self._handles[f] = self._files.enter_context(safe_open(str(f), framework="pt"))
+            for k in fh.keys():
+                if _IGNORED.match(k):  # not served (the multi-token-prediction block)
+                    continue
+                head = fh.get_slice(k)
+                dtype = _DTYPES.get(head.get_dtype())
+                if dtype is None:
+                    raise CheckpointError(f"tensor {k} in {f} has dtype {head.get_dtype()}, which this loader does not read")
+                part = _rank_part(k, torch.empty(head.get_shape(), dtype=dtype, device="meta"), self.cfg, self.shard)
+                if part is not None:
+                    self.sources[k] = _Source(k, f, part)
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise CheckpointError(f"cannot read {f}: {e}") from None
-    return tensors
+
+    def read(self, src: _Source) -> torch.Tensor:
+        """This rank's part of `src`. A whole tensor comes as a view of the mapped file (safetensors does not copy
+        it), so it costs page cache, not process memory; a slice is one copy of the rank's part."""
+        fh = self._handles[src.file]
+        try:
+            whole = fh.get_slice(src.raw)
+            part = _rank_part(src.raw, whole, self.cfg, self.shard)
+            return fh.get_tensor(src.raw) if part is whole else part
+        except Exception as e:
+            raise CheckpointError(f"cannot read {src.raw} from {src.file}: {e}") from None
+
+    def e8m0_ready(self, scale: _Source) -> bool:
+        """Whether a block scale has a UE8M0 byte per value (what FP4Experts stores). Float scales are read to
+        find out, one tensor at a time, before anything is allocated."""
+        if scale.meta.dtype in (torch.float8_e8m0fnu, torch.uint8):
+            return True
+        try:
+            float_to_e8m0(self.read(scale))
+        except ValueError:
+            return False
+        return True
+
+    def close(self) -> None:
+        self._files.close()
+        self._handles.clear()
+
+    def __enter__(self) -> _Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _check_scale(name: str, t: torch.Tensor, scale: torch.Tensor) -> None:
-    """The scale layouts this loader reads: FP8 one per 128x128 tile, FP4 one per 32 inputs."""
+    """The scale layouts this loader reads: FP8 one per 128x128 tile, FP4 one per 32 inputs (shapes and dtypes
+    only, so meta tensors do)."""
     if t.dtype == torch.float8_e4m3fn:
         want = (-(-t.shape[0] // FP8_BLOCK), -(-t.shape[1] // FP8_BLOCK))
         layout = f"one per {FP8_BLOCK}x{FP8_BLOCK} tile"
@@ -187,8 +265,9 @@ def _check_scale(name: str, t: torch.Tensor, scale: torch.Tensor) -> None:
         raise CheckpointError(f"scale of {name} has shape {tuple(scale.shape)}, expected {want} ({layout})")
 
 
-def _dequant(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return dequant_fp8(t, scale) if t.dtype == torch.float8_e4m3fn else dequant_fp4(t, scale)
+def _dense_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """The shape of a packed tensor once dequantized: FP8 keeps it, FP4 unpacks two inputs per byte."""
+    return tuple(t.shape) if t.dtype == torch.float8_e4m3fn else (*t.shape[:-1], 2 * t.shape[-1])
 
 
 def _fp8_packable(module: str, cfg: ModelConfig | None) -> bool:
@@ -199,114 +278,198 @@ def _fp8_packable(module: str, cfg: ModelConfig | None) -> bool:
     return True
 
 
-def _stack_experts(
-    prefix: str, by_id: dict[int, dict[str, tuple]], packed: bool, first: int = 0
-) -> tuple[dict[str, torch.Tensor], bool]:
-    """Per-expert (w1, w3, w2) -> stacked gate_up/down, kept as FP4 (+ `_scale`) when all of them can be.
-    The ids run contiguously from `first` (non-zero on an expert-parallel rank)."""
-    ids = sorted(by_id)
-    if ids != list(range(first, first + len(ids))):
-        raise CheckpointError(f"{prefix}: expert ids are not contiguous from {first} (found {ids[:8]}...)")
-    try:
-        parts = [[by_id[e][w] for w in ("w1", "w3", "w2")] for e in ids]
-    except KeyError as e:
-        raise CheckpointError(f"{prefix}: an expert lacks its {e.args[0]} weight") from None
-    flat = [p for expert in parts for p in expert]
-    if packed and all(s is not None and t.dtype in (torch.int8, torch.uint8) for t, s in flat):
-        try:
-            flat = [(t.view(torch.int8), float_to_e8m0(s)) for t, s in flat]
-        except ValueError:
-            log.warning("%s: FP4 scales are not UE8M0 powers of two; these experts are dequantized", prefix)
-        else:
-            parts = [flat[i : i + 3] for i in range(0, len(flat), 3)]
-            out = {}
-            for name, pick in (("gate_up", lambda p: torch.cat((p[0], p[1]))), ("down", lambda p: p[2])):
-                out[f"{prefix}.{name}"] = torch.stack([pick([t for t, _ in p]) for p in parts])
-                out[f"{prefix}.{name}_scale"] = torch.stack([pick([s for _, s in p]) for p in parts])
-            return out, True
-    dense = [[t if s is None else _dequant(t, s) for t, s in p] for p in parts]
-    return {
-        f"{prefix}.gate_up": torch.stack([torch.cat((p[0], p[1])) for p in dense]),
-        f"{prefix}.down": torch.stack([p[2] for p in dense]),
-    }, False
+# --------------------------------------------------------------------------------------------- writing
+#
+# Each op writes one checkpoint tensor (and its block scale) into a model tensor or a slot of one; `dst` lives
+# where the model does, `t` and `scale` are as read (host memory, usually a view of the mapped file).
+
+DEQUANT_STEP = 1 << 18
+"""Dense elements decoded per dequantization step. Decoding makes fp32 values and int64 codes several times the
+output's size, so a step's temporaries stay a few MB whatever the tensor's size (dequantize mode at V4 scale
+decodes matrices of hundreds of MB)."""
 
 
-def _to_canonical(
-    raw: dict[str, torch.Tensor], weights: str = WEIGHTS_DEQUANTIZE, cfg: ModelConfig | None = None,
-    shard: Shard = WHOLE,
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Rename, keep packed or dequantize, and stack experts; `mtp.*` dropped.
+def _put(dst: torch.Tensor, t: torch.Tensor, scale: None) -> None:
+    """A tensor as stored, cast to the model tensor's dtype (copy_ casts in place: no converted copy is made)."""
+    dst.copy_(t)
 
-    Returns (tensors in our names, module path -> packed kind for the modules that stay packed).
+
+def _put_codes(dst: torch.Tensor, t: torch.Tensor, scale: None) -> None:
+    """Packed e2m1 pairs: int8 or uint8 in a checkpoint, int8 in FP4Experts (the same bytes)."""
+    dst.copy_(t.view(torch.int8))
+
+
+def _put_fp8_scale(dst: torch.Tensor, t: torch.Tensor, scale: None) -> None:
+    """FP8Linear holds its tile scales decoded to fp32 (one multiply less per tile in the kernel)."""
+    dst.copy_(e8m0_to_float(t))
+
+
+def _put_fp4_scale(dst: torch.Tensor, t: torch.Tensor, scale: None) -> None:
+    """FP4Experts holds its scales as UE8M0 bytes, as the kernel decodes them."""
+    dst.copy_(float_to_e8m0(t))
+
+
+def _put_dequantized(dst: torch.Tensor, t: torch.Tensor, scale: torch.Tensor) -> None:
+    """dst = the dense values of FP8 or FP4 `t` with its block `scale`, decoded on dst's device a strip of rows at
+    a time (`DEQUANT_STEP`)."""
+    t, scale = t.to(dst.device), scale.to(dst.device)
+    if t.dtype == torch.float8_e4m3fn:  # [out, in], one scale per 128x128 tile: strips of whole tile rows
+        rows = max(1, DEQUANT_STEP // (FP8_BLOCK * t.shape[1])) * FP8_BLOCK
+        for r in range(0, t.shape[0], rows):
+            dst[r : r + rows].copy_(dequant_fp8(t[r : r + rows], scale[r // FP8_BLOCK : (r + rows) // FP8_BLOCK]))
+        return
+    # FP4 [..., out, in/2] with scales along the input axis only: any rows make a strip
+    codes, scale, out = t.reshape(-1, t.shape[-1]), scale.reshape(-1, scale.shape[-1]), dst.view(-1, dst.shape[-1])
+    rows = max(1, DEQUANT_STEP // out.shape[1])
+    for r in range(0, codes.shape[0], rows):
+        out[r : r + rows].copy_(dequant_fp4(codes[r : r + rows], scale[r : r + rows]))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fill:
+    """Write `op(checkpoint tensor src, its scale)` into `index` of a model tensor (() is all of it)."""
+
+    op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], None]
+    src: _Source
+    scale: _Source | None = None
+    index: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Target:
+    """One of the model's tensors as the checkpoint makes it: its shape and the fills that write it."""
+
+    shape: tuple[int, ...]
+    fills: tuple[_Fill, ...]
+
+
+# --------------------------------------------------------------------------------------------- the plan
+
+
+def _plan(ckpt: _Checkpoint, weights: str, cfg: ModelConfig, shard: Shard = WHOLE) -> tuple[dict[str, _Target], dict[str, str]]:
+    """Rename, pair weights with their scales, decide what stays packed, and lay out the expert stacks, from the
+    headers alone (float FP4 scales excepted, see `_plan_experts`).
+
+    Returns (model tensor name -> target, module path -> packed kind for the modules that stay packed).
     """
     if weights not in WEIGHT_MODES:
         raise ValueError(f"unknown weights mode {weights!r}; expected one of {WEIGHT_MODES}")
     packed = weights == WEIGHTS_PACKED
-    scales = {}
-    plain = {}
-    for name, t in raw.items():
-        if _IGNORED.match(name):
-            continue
+    scales: dict[str, _Source] = {}
+    plain: dict[str, _Source] = {}
+    for name, src in ckpt.sources.items():
         if name.endswith(_SCALE_SUFFIXES) and not _HC_SCALE.search(name):
             base = name[: -len(".scale")] if name.endswith(".scale") else name[: -len("_scale_inv")]
-            scales[base] = t
+            scales[base] = src
             continue
-        plain[name] = t
-    out: dict[str, torch.Tensor] = {}
+        plain[name] = src
+    targets: dict[str, _Target] = {}
     kinds: dict[str, str] = {}
     experts: dict[str, dict[int, dict[str, tuple]]] = defaultdict(lambda: defaultdict(dict))
-    for name, t in plain.items():
+    for name, src in plain.items():
+        t = src.meta
         stem = name[: -len(".weight")] if name.endswith(".weight") else name
         scale = scales.pop(stem, None)
         if scale is None:
             scale = scales.pop(name, None)
         if scale is not None:
-            _check_scale(name, t, scale)
+            _check_scale(name, t, scale.meta)
         elif t.dtype == torch.float8_e4m3fn:
             raise CheckpointError(f"FP8 tensor {name} has no block scale ({stem}.scale or {name}_scale_inv)")
         cname = canonical_name(name)
         m = _EXPERT.match(cname)
         if m:
-            experts[m.group(1)][int(m.group(2))][m.group(3)] = (t, scale)
+            experts[m.group(1)][int(m.group(2))][m.group(3)] = (src, scale)
             continue
         module = cname[: -len(".weight")] if cname.endswith(".weight") else None
         if scale is not None and packed and t.dtype == torch.float8_e4m3fn and module and _fp8_packable(module, cfg):
-            out[cname] = t
-            out[f"{module}.scale"] = e8m0_to_float(scale)
+            targets[cname] = _Target(tuple(t.shape), (_Fill(_put, src),))
+            targets[f"{module}.scale"] = _Target(tuple(scale.meta.shape), (_Fill(_put_fp8_scale, scale),))
             kinds[module] = FP8
+        elif scale is None:
+            targets[cname] = _Target(tuple(t.shape), (_Fill(_put, src),))
         else:
-            out[cname] = t if scale is None else _dequant(t, scale)
+            targets[cname] = _Target(_dense_shape(t), (_Fill(_put_dequantized, src, scale),))
     if scales:
         raise CheckpointError(f"scale tensors without a weight: {sorted(scales)[:5]}")
+    first = shard.experts(cfg)[0] if not shard.whole else 0
     for prefix, by_id in experts.items():
-        stacked, kept = _stack_experts(prefix, by_id, packed, shard.experts(cfg)[0] if not shard.whole else 0)
-        out.update(stacked)
-        if kept:
+        if _plan_experts(ckpt, prefix, by_id, packed, first, targets):
             kinds[prefix] = FP4_EXPERTS
-    return out, kinds
+    return targets, kinds
 
 
-def _copy_state(model: V4Model, got: dict[str, torch.Tensor]) -> None:
+_STACKS = (("gate_up", ("w1", "w3")), ("down", ("w2",)))
+"""The model's expert stacks and the per-expert weights each holds, in row order (gate_up: w1 rows, then w3)."""
+
+
+def _plan_experts(
+    ckpt: _Checkpoint, prefix: str, by_id: dict[int, dict[str, tuple]], packed: bool, first: int,
+    targets: dict[str, _Target],
+) -> bool:
+    """Targets for one layer's per-expert (w1, w3, w2): stacked gate_up/down, each expert written into its slot of
+    the stack as it is read, kept as FP4 (+ `_scale` stacks) when all of them can be; returns whether they are.
+    The ids run contiguously from `first` (non-zero on an expert-parallel rank)."""
+    ids = sorted(by_id)
+    if ids != list(range(first, first + len(ids))):
+        raise CheckpointError(f"{prefix}: expert ids are not contiguous from {first} (found {ids[:8]}...)")
+    for e in ids:
+        for w in ("w1", "w3", "w2"):
+            if w not in by_id[e]:
+                raise CheckpointError(f"{prefix}: an expert lacks its {w} weight")
+    flat = [by_id[e][w] for e in ids for w in ("w1", "w3", "w2")]
+    keep = packed and all(s is not None and t.meta.dtype in (torch.int8, torch.uint8) for t, s in flat)
+    if keep and not all(ckpt.e8m0_ready(s) for _, s in flat):
+        log.warning("%s: FP4 scales are not UE8M0 powers of two; these experts are dequantized", prefix)
+        keep = False
+
+    def how(src: _Source, scale: _Source | None, of_scale: bool) -> tuple[tuple[int, ...], Callable, _Source, _Source | None]:
+        """(shape in the stack, op, what it reads) for one expert's weight or its scale."""
+        if of_scale:
+            return tuple(scale.meta.shape), _put_fp4_scale, scale, None
+        if keep:
+            return tuple(src.meta.shape), _put_codes, src, None
+        if scale is None:
+            return tuple(src.meta.shape), _put, src, None
+        return _dense_shape(src.meta), _put_dequantized, src, scale
+
+    for stack, parts in _STACKS:
+        for of_scale in (False, True) if keep else (False,):
+            name = f"{prefix}.{stack}_scale" if of_scale else f"{prefix}.{stack}"
+            fills, want = [], None
+            for i, e in enumerate(ids):
+                shapes, row = [], 0
+                for w in parts:
+                    shape, op, a, b = how(*by_id[e][w], of_scale)
+                    fills.append(_Fill(op, a, b, (i, slice(row, row + shape[0])) if len(parts) > 1 else (i,)))
+                    shapes.append(shape)
+                    row += shape[0]
+                if want is None:
+                    want = shapes
+                    if any(s[1:] != shapes[0][1:] for s in shapes):
+                        raise CheckpointError(f"{name}: expert {e}'s {' and '.join(parts)} have shapes {shapes}, which do not stack")
+                elif shapes != want:
+                    raise CheckpointError(f"{name}: expert {e}'s {' and '.join(parts)} have shapes {shapes}, expert {ids[0]}'s {want}")
+            targets[name] = _Target((len(ids), sum(s[0] for s in want), *want[0][1:]), tuple(fills))
+    return keep
+
+
+def _fill(model: V4Model, ckpt: _Checkpoint, targets: dict[str, _Target]) -> None:
+    """Check names and shapes against the model (before reading a byte), then write every tensor in place."""
     want = model.state_dict()
-    missing = sorted(set(want) - set(got))
-    unexpected = sorted(set(got) - set(want))
+    missing = sorted(set(want) - set(targets))
+    unexpected = sorted(set(targets) - set(want))
     if missing:
         raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s), first: {missing[:5]}")
     if unexpected:
         raise CheckpointError(f"checkpoint has {len(unexpected)} unexpected tensor(s), first: {unexpected[:5]}")
-    for name, target in want.items():
-        src = got[name]
-        if tuple(src.shape) != tuple(target.shape):
-            raise CheckpointError(f"tensor {name}: checkpoint shape {tuple(src.shape)}, model expects {tuple(target.shape)}")
-        with torch.no_grad():
-            target.copy_(src.to(target.dtype))
-
-
-def load_state(model: V4Model, tensors: dict[str, torch.Tensor], weights: str = WEIGHTS_DEQUANTIZE) -> None:
-    """Load checkpoint tensors into a built model; with `weights="packed"` packed modules are swapped in first."""
-    got, kinds = _to_canonical(tensors, weights, model.cfg)
-    swap_in_packed(model, kinds)
-    _copy_state(model, got)
+    for name, dst in want.items():
+        if targets[name].shape != tuple(dst.shape):
+            raise CheckpointError(f"tensor {name}: checkpoint shape {targets[name].shape}, model expects {tuple(dst.shape)}")
+    with torch.no_grad():
+        for name, dst in want.items():
+            for f in targets[name].fills:  # each source is read, written and released before the next
+                f.op(dst[f.index], ckpt.read(f.src), None if f.scale is None else ckpt.read(f.scale))
 
 
 def load_model(
@@ -331,6 +494,10 @@ def load_model(
 
     `shard` (`core.parallel.Shard`): build and read only one rank's part of the model (its experts, its
     slices of the attention-TP projections); the whole model is never in memory.
+
+    Host memory: the model is allocated once, at its final dtype and device, and filled one checkpoint tensor at
+    a time from the memory-mapped files (expert stacks one expert at a time, dequantization a strip of rows at a
+    time), so beyond the model itself a load holds about one tensor (docs/weights.md has the measured peaks).
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
@@ -347,9 +514,10 @@ def load_model(
                 ParallelLayout(dp=shard.ep, expert_parallel=True).check(cfg)
         except ValueError as e:
             raise CheckpointError(str(e)) from None
-    got, kinds = _to_canonical(read_tensors(model_dir, cfg, shard), weights, cfg, shard)
-    model = build_empty(cfg, dtype, device, packed=kinds, shard=shard)
-    _copy_state(model, got)
+    with _Checkpoint(model_dir, cfg, shard) as ckpt:
+        targets, kinds = _plan(ckpt, weights, cfg, shard)
+        model = build_empty(cfg, dtype, device, packed=kinds, shard=shard, init=False)
+        _fill(model, ckpt, targets)
     log.info(
         "loaded %s (%d layers, %.1fM parameters, %d modules packed, %.1f MB resident%s)",
         model_dir, cfg.num_layers, num_params(model) / 1e6, len(kinds), resident_bytes(model) / 1e6,
@@ -360,16 +528,19 @@ def load_model(
 
 def build_empty(
     cfg: ModelConfig, dtype: torch.dtype = torch.float32, device=None, packed: dict[str, str] | None = None,
-    shard: Shard = WHOLE,
+    shard: Shard = WHOLE, init: bool = True,
 ) -> V4Model:
     """A model of `cfg`: dense weights in `dtype` (norms and the like fp32), default-initialised.
 
     With `packed` (module path -> kind, as the loader decides) those modules are packed ones instead, and
     the model is built on the meta device first so that no dense copy of a packed weight is ever
-    allocated: its weights are then uninitialised, to be loaded next.
+    allocated: its weights are then uninitialised, to be loaded next. `init=False` takes that path for
+    every module (the loader's: it overwrites every tensor, and building initialised fp32 weights first
+    would hold twice a bf16 model's bytes while they are cast).
     """
     target = torch.device(device or "cpu")
-    with torch.device("meta" if packed else target):
+    on_meta = bool(packed) or not init
+    with torch.device("meta" if on_meta else target):
         model = V4Model(cfg, shard)
     keep_fp32 = ("norm", "attn_sink", "ape", "hc_", "gate.bias")
     for n, p in model.named_parameters():
@@ -377,6 +548,7 @@ def build_empty(
             p.data = p.data.to(dtype)
     if packed:
         swap_in_packed(model, packed)
+    if on_meta:
         model.to_empty(device=target)
         # The rotary tables are plain tensors computed at construction, so they were made on meta: redo them.
         with torch.device(target):
