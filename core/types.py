@@ -21,6 +21,8 @@ class SamplingParams:
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
     top_k: int = 0
     """Keep only the k most likely tokens; 0 keeps all."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one; 0 keeps all."""
     seed: int | None = None
     """Seed of this request's sampler; with a seed, sampling is reproducible everywhere."""
     stop_token_ids: tuple[int, ...] = ()
@@ -42,6 +44,8 @@ class SamplingParams:
             raise ValueError("top_p must be in (0, 1]")
         if self.top_k < 0:
             raise ValueError("top_k must be >= 0")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError("min_p must be in [0, 1]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:

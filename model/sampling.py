@@ -1,38 +1,329 @@
-"""Turning logits into tokens: greedy, temperature, top-k, top-p, seeded and reproducible.
+"""Turning logits into tokens: greedy, temperature, top-k, top-p, min-p, seeded and reproducible, batched on the
+logits' device.
 
-A sampled token depends only on (logits, sampling params, seed, token index): each draw uses its
-own generator seeded from the request's seed and the index of the token being generated. So a
-request sampled partly on a prefill actor and partly on a decode actor — or re-prefilled on another
-decode actor after a failure — draws exactly what it would have drawn in one process.
+A sampled token depends only on (logits row, sampling params, seed, token index). The noise a row adds to its
+logits is a counter-based hash of (seed, index, vocab id), not the state of a generator, so a row draws the
+same token alone or in any batch, on a prefill actor or a decode actor, and after a retry that re-prefills it
+elsewhere — with no per-request generator to carry across the split.
+
+The pieces, in the order a step runs them:
+- `SamplingBatch.build` (host, once per batch composition): the per-row parameters as tensors on the device.
+  The decode worker keeps one per group and only advances the token-index column between steps.
+- `filtered_logits` (device): temperature, then top-k, top-p and min-p, each a per-row floor on the logits, so
+  no filter scatters a mask back through a sort. `log_softmax` of its result is the distribution a row draws
+  from (what speculative decoding's acceptance test will need); logit biases, penalties or a grammar mask
+  are later steps on the logits before it.
+- `draw` / `sample_tokens` (device): an exponential race over the filtered logits. Pure tensor ops with shapes
+  fixed by the batch composition (no host reads, no tensors from host data, no data-dependent shapes), so
+  the step can sit inside a CUDA graph or `torch.compile(fullgraph=True)`.
+- `sample_batch` (the host boundary): one `.tolist()` of the token ids, plus log-probabilities for the rows
+  that ask (of the raw distribution: unfiltered, temperature 1).
+- `sample`: the list-in, list-out entry (builds a `SamplingBatch` and calls the above).
 """
 
 from __future__ import annotations
 
-import hashlib
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from core.types import SampledToken, SamplingParams, plain_token
 
+NEG_INF = float("-inf")
 
-def draw_seed(seed: int, index: int) -> int:
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+# --- the counter-based noise ---------------------------------------------------------------------------------
+#
+# Everything is 32-bit arithmetic held in int64 tensors, arranged so no intermediate ever leaves int64's range:
+# values stay in [0, 2**32), and each multiplier is stored as the residue mod 2**32 nearest zero (|c| <= 2**31),
+# so a product is below 2**63 in magnitude and masking its low 32 bits is the exact 32-bit product. No result
+# relies on overflow behaviour, so the integers agree bit for bit on every device.
+
+_MASK32 = 0xFFFFFFFF
 
 
-def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    x = logits / p.temperature
-    if p.top_k and p.top_k < x.numel():
-        kth = torch.topk(x, p.top_k).values[-1]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = sorted_x.softmax(-1)
-        # drop a token once the mass before it already reaches top_p (the first token always stays)
-        drop = (probs.cumsum(-1) - probs) >= p.top_p
-        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+def _nearest_zero(c: int) -> int:
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+# The two multipliers of the published low-bias 32-bit integer hash "lowbias32" (found by search to minimise
+# avalanche bias); the shifts below are its shifts.
+_MUL_1 = _nearest_zero(0x7FEB352D)
+_MUL_2 = _nearest_zero(0x846CA68B)
+_SEED_SALT = 0x5EED5A17  # keeps an all-zero seed from starting the key chain at zero
+
+
+def mix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """Hash int64 values in [0, 2**32) in place (a bijection of [0, 2**32)); returns `x`. `scratch` is a
+    tensor of x's shape for the shifted copies: on the CPU a [64, 129280] temporary per shift costs more than
+    the arithmetic (a fresh mapping, page faults), so the full-vocabulary hash reuses one buffer."""
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=scratch))
+    x.mul_(_MUL_1).bitwise_and_(_MASK32)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 15, out=scratch))
+    x.mul_(_MUL_2).bitwise_and_(_MASK32)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=scratch))
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """`mix32_` into a new tensor."""
+    x = x.clone()
+    return mix32_(x, torch.empty_like(x))
+
+
+def vocab_mix(vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """mix32 of every vocab id [vocab] int64: the per-column half of the noise hash, the same for every row,
+    so a `SamplingBatch` computes it once."""
+    return mix32(torch.arange(vocab, dtype=torch.int64, device=device))
+
+
+def seed_words(seeds: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Seeds as their low and high 32-bit words [rows, 2] int64 (a seed counts modulo 2**64)."""
+    words = [(s & _MASK32, (s >> 32) & _MASK32) for s in seeds]
+    return torch.tensor(words, dtype=torch.int64, device=device).reshape(len(words), 2)
+
+
+def row_keys(words: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per row [rows] int64 from its seed words [rows, 2] and token index [rows]: the row half
+    of the noise hash, chaining mix32 over the four 32-bit words."""
+    k = mix32(words[:, 0] ^ _SEED_SALT)
+    k = mix32(k ^ words[:, 1])
+    k = mix32(k ^ (index & _MASK32))
+    return mix32(k ^ ((index >> 32) & _MASK32))
+
+
+def noise_bits(keys: torch.Tensor, mixed_vocab: torch.Tensor) -> torch.Tensor:
+    """The 32 random bits of every (row, vocab id) [rows, vocab] int64: mix32(mix32(id) ^ key). A pure function
+    of (seed, index, vocab id); for a fixed key a bijection of the ids, so no two tokens of a row share bits."""
+    h = mixed_vocab[None, :] ^ keys[:, None]  # [rows, vocab]
+    return mix32_(h, torch.empty_like(h))
+
+
+def log_exponentials(bits: torch.Tensor) -> torch.Tensor:
+    """log E for E = -log(1 - u), u = (bits + 0.5) / 2**32, so E ~ Exp(1) [rows, vocab] float32.
+
+    E comes from log1p(-u), which is exact where it matters: the smallest E win the race, and they come from
+    the smallest bits, which float32 holds exactly (bits near 2**32 round, but those draws lose). u is capped
+    just below 1 so E stays finite (a row whose filters keep one token still picks it)."""
+    w = bits.to(torch.float32).mul_(-(2.0**-32)).sub_(2.0**-33)  # -u
+    return w.clamp_(min=-(1.0 - 2.0**-24)).log1p_().neg_().log_()
+
+
+def draw(filtered: torch.Tensor, keys: torch.Tensor, mixed_vocab: torch.Tensor) -> torch.Tensor:
+    """filtered logits [rows, vocab] (dropped tokens at -inf), row keys [rows] -> token ids [rows] int64.
+
+    An exponential race: each token v waits E_v / p_v and the first to arrive wins, i.e. argmax of
+    logit_v - log E_v, which picks v with probability softmax(filtered)_v (Gumbel-max with -log E as the noise).
+    `filtered` is left as it is."""
+    score = log_exponentials(noise_bits(keys, mixed_vocab)).neg_().add_(filtered)  # [rows, vocab]
+    return score.argmax(dim=-1)
+
+
+# --- per-row parameters ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class SamplingBatch:
+    """A batch's sampling parameters as tensors on the logits' device, for a fixed list of rows.
+
+    Built on the host once per batch composition; the step itself (`sample_tokens`) only reads it. The Python
+    fields (widths, which filters any row asks for) fix the step's shapes and which ops run, so a captured
+    step stays valid for as long as the composition does. The parameter tensors cover the sampled rows only
+    (temperature > 0), in `sampled_rows` order: greedy rows pay for an argmax and nothing else."""
+
+    num_rows: int
+    vocab: int
+    num_sampled: int
+    sampled_rows: torch.Tensor | None
+    """[n] int64 rows that draw at random; None when every row does (no gather needed)."""
+    greedy_rows: torch.Tensor | None
+    """[g] int64 rows that take the argmax; None when there is none."""
+    temperature: torch.Tensor | None
+    """[n, 1] float32."""
+    seed_words: torch.Tensor | None
+    """[n, 2] int64 (see `seed_words`)."""
+    top_k_width: int
+    """Candidates `topk` keeps: the largest k a row asks for (0: no row asks; a k >= vocab is no filter)."""
+    top_k_column: torch.Tensor | None
+    """[n, 1] int64 column of the row's k-th largest among the candidates."""
+    has_top_k: torch.Tensor | None
+    """[n, 1] bool."""
+    top_p_rows: torch.Tensor | None
+    """[m] int64 positions among the sampled rows of those asking for top-p; None when all of them do."""
+    top_p: torch.Tensor | None
+    """[m, 1] float32; None when no row asks (then nothing is sorted)."""
+    top_p_sorts: bool
+    """Some top-p row has no top-k, so its nucleus may reach any token: the top-p rows sort their whole
+    vocabulary. Otherwise each one's nucleus lies inside the top-k candidates, and only those are ranked."""
+    log_min_p: torch.Tensor | None
+    """[n, 1] float32 log(min_p), -inf for a row that does not ask; None when no row asks."""
+    mixed_vocab: torch.Tensor | None
+    """[vocab] int64 (see `vocab_mix`)."""
+    logprob_rows: torch.Tensor | None
+    """[w] int64 rows that asked for log-probabilities; None when none did."""
+    logprob_asks: tuple[tuple[int, int], ...]
+    """(row, how many alternatives) for each of those rows, on the host."""
+    logprob_width: int
+    """The most of them, capped at the vocabulary (the width of the one batched topk)."""
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], device: torch.device | str,
+              vocab: int) -> SamplingBatch:
+        def rows(ix: list[int]) -> torch.Tensor:
+            return torch.tensor(ix, dtype=torch.int64, device=device)
+
+        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device).reshape(len(values), 1)
+
+        n_rows = len(params)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        sp = [params[i] for i in sampled]
+        top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in sp]
+        k_width = max(top_k, default=0)
+        top_p_at = [j for j, p in enumerate(sp) if p.top_p < 1.0]
+        wants = [i for i, p in enumerate(params) if p.logprobs is not None]
+        asks = tuple((i, params[i].logprobs) for i in wants)
+        return cls(
+            num_rows=n_rows, vocab=vocab, num_sampled=len(sampled),
+            sampled_rows=rows(sampled) if sampled and greedy else None,
+            greedy_rows=rows(greedy) if sampled and greedy else None,
+            temperature=column([p.temperature for p in sp], torch.float32) if sp else None,
+            seed_words=seed_words([seeds[i] for i in sampled], device) if sp else None,
+            top_k_width=k_width,
+            top_k_column=column([max(k, 1) - 1 for k in top_k], torch.int64) if k_width else None,
+            has_top_k=column([k > 0 for k in top_k], torch.bool) if k_width else None,
+            top_p_rows=rows(top_p_at) if top_p_at and len(top_p_at) < len(sp) else None,
+            top_p=column([sp[j].top_p for j in top_p_at], torch.float32) if top_p_at else None,
+            top_p_sorts=any(top_k[j] == 0 for j in top_p_at),
+            log_min_p=(column([_log(p.min_p) for p in sp], torch.float32) if any(p.min_p > 0 for p in sp) else None),
+            mixed_vocab=vocab_mix(vocab, device) if sp else None,
+            logprob_rows=rows(wants) if wants else None,
+            logprob_asks=asks,
+            logprob_width=min(max((n for _, n in asks), default=0), vocab),
+        )
+
+
+def _log(p: float) -> float:
+    return math.log(p) if p > 0 else NEG_INF
+
+
+def index_column(indices: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """The index of the token each row is generating [rows] int64: the one column of a batch's sampling state
+    that changes every step (advance it in place with `+= 1`)."""
+    return torch.tensor(list(indices), dtype=torch.int64, device=device)
+
+
+# --- filters ---------------------------------------------------------------------------------------------------
+
+
+def filtered_logits(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """The sampled rows' logits [n, vocab] -> a new float32 tensor: divided by the temperature, every token a
+    filter drops at -inf. The filters apply in the order top-k, top-p (on the top-k distribution), min-p.
+
+    Each filter is a floor per row — keep a token iff its logit is at least the floor — so they combine by a
+    maximum and one masked fill:
+    - top-k: the k-th largest logit. Tokens tied with it all stay (the k-th value, not the k-th position, is
+      the rule, so no tie is broken by a sort's order).
+    - top-p: drop a token once the probability mass strictly before it already reaches top_p; the first
+      token always stays. Tokens of equal probability stand together (none is "before" another), so the
+      floor is the logit at the last sorted position whose mass before it is below top_p.
+    - min-p: drop a token less likely than min_p times the row's most likely one: logit < max + log(min_p).
+    The row's largest logit passes every floor, so a row always keeps a token."""
+    x = logits.float() / sb.temperature  # [n, vocab]
+    floor = None  # [n, 1]
+    cand = None  # [n, K] the K largest logits per row, descending
+    if sb.top_k_width:
+        cand = x.topk(sb.top_k_width, dim=-1).values
+        floor = torch.where(sb.has_top_k, cand.gather(1, sb.top_k_column), NEG_INF)
+    if sb.top_p is not None:
+        floor = _at_least(floor, _top_p_floor(x, cand, floor, sb))
+    if sb.log_min_p is not None:
+        floor = _at_least(floor, x.amax(dim=-1, keepdim=True) + sb.log_min_p)
+    if floor is not None:
+        x.masked_fill_(x < floor, NEG_INF)
     return x
+
+
+def _pick(t: torch.Tensor, at: torch.Tensor | None) -> torch.Tensor:
+    """Rows `at` of t (all of t for None). Advanced indexing rather than index_select: on the CPU it copies
+    whole [*, vocab] rows about twice as fast."""
+    return t if at is None else t[at]
+
+
+def _at_least(floor: torch.Tensor | None, other: torch.Tensor) -> torch.Tensor:
+    return other if floor is None else torch.maximum(floor, other)
+
+
+def _top_p_floor(x: torch.Tensor, cand: torch.Tensor | None, k_floor: torch.Tensor | None, sb: SamplingBatch) -> torch.Tensor:
+    """The top-p floor [n, 1] of the sampled rows (-inf for rows that do not ask), from the tempered logits x
+    [n, vocab] and, when some row asks for top-k, the candidates and the top-k floor.
+
+    The ranked values are the row's whole vocabulary sorted, or only its top-k candidates when every top-p
+    row has a top-k: its nucleus cannot reach past its own k-th value, and the mass before each candidate is
+    the same either way, because the normaliser is taken over the whole row (ties at the k-th value
+    included). A floor that lands past the top-k tokens is below the top-k floor, which then rules."""
+    at = sb.top_p_rows
+    xp = _pick(x, at)  # [m, vocab]
+    kp = None if k_floor is None else _pick(k_floor, at)  # [m, 1]
+    ranked = xp.sort(dim=-1, descending=True).values if sb.top_p_sorts else _pick(cand, at)  # [m, vocab or K]
+    if kp is not None:
+        xp = xp.masked_fill(xp < kp, NEG_INF)
+        ranked = ranked.masked_fill(ranked < kp, NEG_INF)
+    probs = (ranked - torch.logsumexp(xp, dim=-1, keepdim=True)).exp_()  # [m, W]
+    before = probs.cumsum(dim=-1).sub_(probs)  # the mass strictly before each ranked token
+    kept = (before < sb.top_p).sum(dim=-1, keepdim=True)  # [m, 1] >= 1: nothing comes before the first
+    floor = ranked.gather(1, kept - 1)
+    if at is None:
+        return floor
+    return torch.full((x.shape[0], 1), NEG_INF, dtype=x.dtype, device=x.device).index_copy_(0, at, floor)
+
+
+# --- the step --------------------------------------------------------------------------------------------------
+
+
+def sample_tokens(logits: torch.Tensor, sb: SamplingBatch, index: torch.Tensor) -> torch.Tensor:
+    """logits [rows, vocab], index [rows] int64 (the index of the token each row generates) -> token ids
+    [rows] int64 on the logits' device. Greedy rows take the first index of their largest logit; sampled
+    rows draw from their filtered distribution. Capture-safe: see the module docstring."""
+    if not sb.num_sampled:
+        return logits.argmax(dim=-1)
+    at = sb.sampled_rows
+    keys = row_keys(sb.seed_words, _pick(index, at))  # [n]
+    drawn = draw(filtered_logits(_pick(logits, at), sb), keys, sb.mixed_vocab)  # [n]
+    if sb.greedy_rows is None:
+        return drawn
+    out = torch.empty(sb.num_rows, dtype=torch.int64, device=logits.device)
+    out.index_copy_(0, sb.greedy_rows, _pick(logits, sb.greedy_rows).argmax(dim=-1))
+    return out.index_copy_(0, at, drawn)
+
+
+def sample_batch(logits: torch.Tensor, sb: SamplingBatch, index: torch.Tensor) -> list[SampledToken]:
+    """One token per row, with log-probabilities where asked: the device step plus one `.tolist()` of the
+    token ids (and the log-probability tensors of the rows that asked). An all-greedy batch without
+    log-probabilities takes `greedy_tokens` (NumPy's argmax on the CPU)."""
+    if not sb.num_sampled and sb.logprob_rows is None:
+        return [plain_token(t) for t in greedy_tokens(logits)]
+    tokens_dev = sample_tokens(logits, sb, index)
+    lp = None
+    if sb.logprob_rows is not None:  # queued before the first read, so the device runs it all in one go
+        lp = _logprobs(logits, tokens_dev, sb)
+    tokens = tokens_dev.tolist()
+    out = [plain_token(t) for t in tokens]
+    if lp is not None:
+        values, ids = lp[0].tolist(), lp[1].tolist()
+        for j, (i, n) in enumerate(sb.logprob_asks):
+            out[i] = SampledToken(tokens[i], values[j][0], tuple(zip(ids[j][:n], values[j][1 : n + 1])))
+    return out
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the rows that asked: [w, 1 + width] (the chosen token's log-probability, then the top ones) and
+    [w, width] the top ids, of the raw distribution (unfiltered, temperature 1)."""
+    lp = torch.log_softmax(_pick(logits, sb.logprob_rows).float(), dim=-1)  # [w, vocab]
+    chosen = lp.gather(1, _pick(tokens, sb.logprob_rows)[:, None])  # [w, 1]
+    vals, ids = lp.topk(sb.logprob_width, dim=-1)  # [w, width]
+    return torch.cat((chosen, vals), dim=1), ids
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
@@ -50,34 +341,7 @@ def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], indices: Sequence[int]
 ) -> list[SampledToken]:
     """logits [batch, vocab] -> one token per row; `indices[i]` is the index of the token being generated.
-
-    Batched where rows agree (one argmax for the greedy ones, one log-softmax and top-k over just the rows
-    that asked for logprobs); only seeded sampling draws row by row.
-    """
-    logits = logits.float()
-    tokens = greedy_tokens(logits)
-    wanted = []
-    for i, p in enumerate(params):
-        if not p.greedy:
-            x = _filter(logits[i], p)
-            gen = torch.Generator(device="cpu").manual_seed(draw_seed(seeds[i], indices[i]))
-            u = torch.rand(x.shape, generator=gen, dtype=torch.float64).clamp_(min=1e-300)
-            gumbel = -torch.log(-torch.log(u))
-            tokens[i] = int(torch.argmax(x.double().cpu() + gumbel))
-        if p.logprobs is not None:
-            wanted.append(i)
-    out = [plain_token(t) for t in tokens]
-    if wanted:
-        rows = torch.tensor(wanted, device=logits.device)
-        lp = torch.log_softmax(logits[rows], dim=-1)  # [wanted, vocab]
-        chosen = lp.gather(1, torch.tensor([tokens[i] for i in wanted], device=lp.device)[:, None]).squeeze(1).tolist()
-        k = max(params[i].logprobs for i in wanted)
-        top_ids, top_vals = ([], [])
-        if k:
-            vals, ids = torch.topk(lp, min(k, lp.shape[1]), dim=-1)
-            top_ids, top_vals = ids.tolist(), vals.tolist()
-        for j, i in enumerate(wanted):
-            n = params[i].logprobs
-            top = tuple(zip(top_ids[j][:n], top_vals[j][:n])) if n else ()
-            out[i] = SampledToken(tokens[i], chosen[j], top)
-    return out
+    Builds the batch's tensors for this one call; a caller that samples the same rows step after step keeps
+    a `SamplingBatch` and an `index_column` and calls `sample_batch`."""
+    sb = SamplingBatch.build(params, seeds, logits.device, logits.shape[-1])
+    return sample_batch(logits, sb, index_column(indices, logits.device))
