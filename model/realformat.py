@@ -13,7 +13,8 @@ config.json spelling (`compress_ratios` with the MTP slot, `qk_rope_head_dim`, `
 
 Every dimension a scale tile spans is a multiple of 128 (hidden 256, q_lora 128, head_dim 128, o_lora 128,
 expert width 128), as in the real models. Weights are random (seeded), quantized with power-of-two
-scales and round-to-nearest-even (`kernels.formats`).
+scales and round-to-nearest-even (`kernels.formats`); or, with `quantize=False` (benchmarks of loading, at
+hundreds of MB), packed codes and scale bytes drawn at random directly, in the same names, shapes and dtypes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from safetensors.torch import save_file
 from core.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig, YarnScaling
 from model.builtin import random_init
 from model.loader import build_empty, deepseek_state
+from model.model import V4Model
 from model.packed import pack_like_checkpoint
 
 SEED = 20261215
@@ -134,14 +136,46 @@ def _checkpoint_dtype(name: str, t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32 if fp32 else torch.bfloat16)
 
 
-def write_realformat_checkpoint(model_dir: str | Path, cfg: ModelConfig | None = None, seed: int = SEED) -> Path:
-    """Write config.json + model.safetensors of a random model of `cfg` (default `realformat_config()`)."""
+def _random_codes(cfg: ModelConfig, seed: int) -> V4Model:
+    """A model packed like the checkpoints whose codes are drawn at random rather than quantized from dense
+    weights: valid e4m3, e2m1 and UE8M0 values, no dense model ever built (quantizing hundreds of MB of
+    experts takes minutes and GBs of int64 codes; this takes seconds)."""
+    with torch.device("meta"):
+        model = V4Model(cfg)
+    pack_like_checkpoint(model)  # on meta: only the modules' types and shapes change
+    model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if t.dtype == torch.float8_e4m3fn:
+                t.copy_(torch.randn(t.shape, generator=gen))
+            elif t.dtype == torch.int8:  # e2m1 pairs: every byte is two valid codes
+                t.copy_(torch.randint(-128, 128, t.shape, generator=gen, dtype=torch.int8))
+            elif t.dtype == torch.uint8:  # expert scales as UE8M0 bytes, 2**-8 .. 2**-4
+                t.copy_(torch.randint(119, 124, t.shape, generator=gen, dtype=torch.uint8))
+            elif name.endswith(".scale"):  # FP8 tile scales, powers of two
+                t.copy_(torch.exp2(torch.randint(-8, -3, t.shape, generator=gen).float()))
+            elif name.endswith("tid2eid"):
+                t.copy_(torch.randint(0, cfg.n_routed_experts, t.shape, generator=gen))
+            else:
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.02)
+    return model
+
+
+def write_realformat_checkpoint(
+    model_dir: str | Path, cfg: ModelConfig | None = None, seed: int = SEED, quantize: bool = True
+) -> Path:
+    """Write config.json + model.safetensors of a random model of `cfg` (default `realformat_config()`);
+    `quantize=False`: random packed codes instead of quantized random weights (`_random_codes`)."""
     cfg = cfg or realformat_config()
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
-    model = build_empty(cfg)
-    random_init(model, seed)
-    pack_like_checkpoint(model)
+    if quantize:
+        model = build_empty(cfg)
+        random_init(model, seed)
+        pack_like_checkpoint(model)
+    else:
+        model = _random_codes(cfg, seed)
     tensors = {k: _checkpoint_dtype(k, v.detach().cpu()).contiguous() for k, v in deepseek_state(model).items()}
     (model_dir / "config.json").write_text(json.dumps(deepseek_config_json(cfg), indent=2) + "\n")
     save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
