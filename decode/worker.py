@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from cachetier.layout import KVLayout
 from cachetier.store import KVStore
@@ -40,7 +41,7 @@ from core.types import SampledToken, SamplingParams, StepTokens, TokenEvent, fin
 from decode.runner import StepRunner
 from model.model import V4Model
 from model.parallel import ReplicaBroken
-from model.sampling import greedy_tokens, sample
+from model.sampling import SamplingBatch, greedy_tokens, index_column, sample_batch
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,8 @@ class _Group:
     costs a few vector operations per step instead of Python work per request. While a group exists its
     columns, not its `_Running` objects, hold each request's last token and count (`sync` writes them back)."""
 
-    __slots__ = ("ids", "runs", "params", "seeds", "tokens", "num_generated", "max_tokens", "stops", "plain", "faults")
+    __slots__ = ("ids", "runs", "params", "seeds", "tokens", "num_generated", "max_tokens", "stops", "plain", "faults",
+                 "sampling", "index")
 
     def __init__(self, ids: list[str], runs: list[_Running], eos_ids: tuple[int, ...]) -> None:
         self.ids, self.runs = ids, runs
@@ -112,6 +114,11 @@ class _Group:
         self.plain = all(p.greedy and p.logprobs is None for p in self.params)
         """Greedy without log-probabilities everywhere: a token id per row is all sampling has to give."""
         self.faults = {r.req.fault for r in runs} - {None}
+        self.sampling: SamplingBatch | None = None
+        """The rows' sampling parameters as device tensors: built at the group's first sampled step (on the
+        logits' device), then only `index` changes."""
+        self.index: torch.Tensor | None = None
+        """`num_generated` on the device (the index of the token each row generates), advanced beside it."""
 
     def sync(self) -> None:
         for run, tok, n in zip(self.runs, self.tokens, self.num_generated.tolist()):
@@ -346,7 +353,10 @@ class DecodeWorker:
             if g.plain:
                 sampled, tokens = None, greedy_tokens(logits.float())
             else:
-                sampled = sample(logits, g.params, g.seeds, g.num_generated.tolist())
+                if g.sampling is None:
+                    g.sampling = SamplingBatch.build(g.params, g.seeds, logits.device, logits.shape[-1])
+                    g.index = index_column(g.num_generated.tolist(), logits.device)
+                sampled = sample_batch(logits, g.sampling, g.index)
                 tokens = [t.token_id for t in sampled]
         except Exception as e:
             if self.lockstep:
@@ -360,6 +370,8 @@ class DecodeWorker:
             return StepTokens([], [], [])
         g.tokens = tokens
         g.num_generated += 1
+        if g.index is not None:
+            g.index += 1
         counts = g.num_generated
         # `finish_reason` decides; it is asked only for rows that drew a stop token or reached their length
         maybe = np.flatnonzero(counts >= g.max_tokens).tolist()
