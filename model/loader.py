@@ -300,7 +300,7 @@ def _put_codes(dst: torch.Tensor, t: torch.Tensor, scale: None) -> None:
 
 
 def _put_fp8_scale(dst: torch.Tensor, t: torch.Tensor, scale: None) -> None:
-    """FP8Linear holds its tile scales decoded to fp32 (one multiply less per tile in the kernel)."""
+    """FP8Linear holds its tile scales as fp32, decoded once here rather than in every call."""
     dst.copy_(e8m0_to_float(t))
 
 
@@ -444,12 +444,13 @@ def _plan_experts(
                     fills.append(_Fill(op, a, b, (i, slice(row, row + shape[0])) if len(parts) > 1 else (i,)))
                     shapes.append(shape)
                     row += shape[0]
+                what = f"{'/'.join(parts)} of shape {', '.join(map(str, shapes))}"
                 if want is None:
                     want = shapes
                     if any(s[1:] != shapes[0][1:] for s in shapes):
-                        raise CheckpointError(f"{name}: expert {e}'s {' and '.join(parts)} have shapes {shapes}, which do not stack")
+                        raise CheckpointError(f"{name}: expert {e} has {what}, which do not stack")
                 elif shapes != want:
-                    raise CheckpointError(f"{name}: expert {e}'s {' and '.join(parts)} have shapes {shapes}, expert {ids[0]}'s {want}")
+                    raise CheckpointError(f"{name}: expert {e} has {what}, expert {ids[0]} {', '.join(map(str, want))}")
             targets[name] = _Target((len(ids), sum(s[0] for s in want), *want[0][1:]), tuple(fills))
     return keep
 
