@@ -14,7 +14,11 @@ process's RSS as file pages (page cache, which the kernel drops under pressure),
 checkpoint's size whatever the loader does. RssAnon is the memory the process allocated itself (the model on a
 CPU target, copies, stacks, dequantization temporaries): what decides whether a shard fits a host. VmHWM's
 figure is printed beside it (`vmhwm_ratio`) to show the difference. A sampler can miss a peak shorter than its
-interval; the loader's peaks (whole stacks, whole dequantized checkpoints) last far longer.
+interval; the loader's peaks (whole stacks, whole dequantized checkpoints) last far longer. RssAnon does not
+grow either when malloc hands out memory the interpreter freed before the load (some MB after the imports:
+the small real-format checkpoint fits in it, hence its ratios well below 1), so `malloc_ratio` is printed too:
+the same peak over glibc's own count of the bytes malloc has handed out and not had back (mallinfo2, sampled
+alongside), which counts reused memory as well.
 
 Cases: the real-format test checkpoint (`model.realformat`, 4.6 MB: interpreter noise is a visible part of its
 ratio) and a synthetic one in the same format with many experts (`--experts`, `--inter`; random codes, a few
@@ -27,6 +31,7 @@ everything into the model.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import gc
 import importlib.util
@@ -38,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,21 +77,46 @@ def _status(field: str) -> int:
     return int(m.group(1)) * 1024
 
 
-class _AnonPeak:
-    """The largest RssAnon seen by a thread that samples /proc/self/status every `interval` seconds."""
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_size_t) for f in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _malloc_in_use() -> Callable[[], int] | None:
+    """Bytes malloc has handed out and not had back (glibc's mallinfo2: heap chunks in use + mmapped chunks);
+    None without glibc 2.33+."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+
+    def in_use() -> int:
+        m = fn()
+        return m.uordblks + m.hblkhd
+
+    return in_use
+
+
+class _Peaks:
+    """The largest RssAnon (and malloc in-use bytes) seen by a thread sampling every `interval` seconds."""
 
     def __init__(self, interval: float = 0.001) -> None:
         self.interval, self.peak, self.samples = interval, 0, 0
+        self.malloc = _malloc_in_use()
+        self.malloc_peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             self.peak = max(self.peak, _status("RssAnon"))
+            if self.malloc is not None:
+                self.malloc_peak = max(self.malloc_peak, self.malloc())
             self.samples += 1
             time.sleep(self.interval)
 
-    def __enter__(self) -> _AnonPeak:
+    def __enter__(self) -> _Peaks:
         self._thread.start()
         return self
 
@@ -121,8 +152,9 @@ def _child(spec: dict) -> dict:
         hwm_reset = False
     gc.collect()  # garbage of the imports, freed now rather than during the load
     rss_before = _status("VmRSS")
-    with _AnonPeak() as sampler:
+    with _Peaks() as sampler:
         anon_before = _status("RssAnon")
+        malloc_before = sampler.malloc() if sampler.malloc is not None else None
         t0 = time.perf_counter()
         model = loader.load_model(spec["model_dir"], dtype=dtype, weights=spec["weights"], shard=shard)
         seconds = time.perf_counter() - t0
@@ -134,6 +166,8 @@ def _child(spec: dict) -> dict:
         "samples": sampler.samples,
         "seconds": seconds,
     }
+    if malloc_before is not None:
+        out["malloc_ratio"] = (sampler.malloc_peak - malloc_before) / shard_bytes
     if hwm_reset:
         out["vmhwm_ratio"] = (_status("VmHWM") - rss_before) / shard_bytes
     return out
