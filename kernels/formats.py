@@ -85,9 +85,22 @@ def fp4_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack(((b & 0x0F), (b >> 4)), dim=-1).flatten(-2).long()
 
 
+def e2m1_table(device=None) -> torch.Tensor:
+    """The value of each e2m1 code, [16] fp32 on `device` (`E2M1_VALUES`), decoded from the code's bits (sign
+    bit 3, exponent bits 1-2, mantissa bit 0) as the Triton FP4 kernel decodes them. Computed where it is
+    used rather than copied from a host constant: nothing made from host data, so a captured step can make it."""
+    codes = torch.arange(16, device=device)
+    mag = codes & 7
+    exp = mag >> 1
+    half = (mag & 1).float() * 0.5
+    pow2 = (1 << (exp - 1).clamp(min=0)).float()  # 1, 1, 2, 4 for exponents 0..3
+    val = torch.where(exp == 0, half, pow2 * (1.0 + half))
+    return torch.where(codes >= 8, -val, val)
+
+
 def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
     """e2m1 pairs packed [..., out, in/2] with one scale per `block` inputs [..., out, ceil(in/block)] -> fp32."""
-    vals = torch.tensor(E2M1_VALUES, device=packed.device)[fp4_codes(packed)]  # [..., out, in]
+    vals = e2m1_table(packed.device)[fp4_codes(packed)]  # [..., out, in]
     s = e8m0_to_float(scale).repeat_interleave(block, dim=-1)[..., : vals.shape[-1]]
     return vals * s
 

@@ -33,22 +33,34 @@ from core.kv_format import (
     is_packed,
     main_row_bytes,
 )
-from kernels.formats import E2M1_VALUES, fp4_codes, pow2_to_e8m0, quantize_act_fp8, quantize_fp4
+from kernels.formats import e2m1_table, fp4_codes, pow2_to_e8m0, quantize_act_fp8, quantize_fp4
 
 _HADAMARD: dict[tuple[int, str, torch.dtype], torch.Tensor] = {}
 
 
 def hadamard(n: int, device=None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The orthonormal Sylvester-Hadamard matrix of order n (a power of two), H / sqrt(n); symmetric."""
+    """The orthonormal Sylvester-Hadamard matrix of order n (a power of two), H / sqrt(n); symmetric.
+
+    Entry (i, j) is (-1)**popcount(i & j) / sqrt(n), computed on `device` from index arithmetic alone: no
+    host data crosses, so even a first use inside a captured step is device work (the graph recomputes the
+    same values on each replay, and the cached tensor keeps its memory). Cached per device; tensor
+    subclasses (the capture guard's fake tensors, tracing proxies) hold no memory to reuse and are not kept."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"a Hadamard rotation needs a power-of-two width, got {n}")
     key = (n, str(device), dtype)
-    if key not in _HADAMARD:
-        h = torch.ones(1, 1, dtype=torch.float64)
-        while h.shape[0] < n:
-            h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-        _HADAMARD[key] = (h / n**0.5).to(device=device, dtype=dtype)
-    return _HADAMARD[key]
+    h = _HADAMARD.get(key)
+    if h is None:
+        i = torch.arange(n, device=device)
+        v = i[:, None] & i  # [n, n]; the parity of its set bits is the sign
+        bits = (n - 1).bit_length()  # of an index
+        shift = 1 << ((bits - 1).bit_length() - 1) if bits > 1 else 0  # the largest power of two below `bits`
+        while shift:  # fold the bits onto bit 0 (xor keeps the parity): 4, 2, 1 for indices of up to 8 bits
+            v = v ^ (v >> shift)
+            shift >>= 1
+        h = ((1 - 2 * (v & 1)).to(torch.float64) / n**0.5).to(dtype)  # divided in float64: 1/sqrt(n) rounded once
+        if type(h) is torch.Tensor:
+            _HADAMARD[key] = h
+    return h
 
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
@@ -126,7 +138,7 @@ def pack_fp4_keys(x: torch.Tensor) -> torch.Tensor:
 def unpack_fp4_keys(b: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """MXFP4 rows [..., bytes] -> the keys in the rotated space [..., dim] (the rotation is not undone)."""
     half = dim // 2
-    vals = torch.tensor(E2M1_VALUES, device=b.device)[fp4_codes(b[..., :half])]  # [..., dim]
+    vals = e2m1_table(b.device)[fp4_codes(b[..., :half])]  # [..., dim]
     scale = ue8m0_value(b[..., half:]).repeat_interleave(INDEX_SCALE_BLOCK, dim=-1)[..., :dim]
     return (vals * scale).to(dtype)
 
