@@ -58,6 +58,8 @@ class TieredBatch(DecodeKV):
         self._tables_for: tuple | None = None
         self._group_elems = g.group_pages * g.page_elems
         self._scratch_gbase = g.scratch_group * self._group_elems
+        # the host pool as the step's kernels address it: zero-copy device memory on CUDA (mapped), itself on the CPU
+        self._host_kv = store.host.on(dev) if store.host is not None else None
 
     def bucket_tensors(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         """The buffers whose sizes are the bucket, with those dims: every other tensor of a step is sized from them."""
@@ -199,7 +201,7 @@ class TieredBatch(DecodeKV):
         """New C4 entry: authoritative copy to the host pool, and into the ring of the hot buffer."""
         g, s = self.g, self.s
         host_rows = torch.where(emit, s.host.rows(self.host_blocks, e[:, None]).squeeze(1), s.host_scratch_row)
-        write_rows(s.host.kv, j, host_rows, entries.to(s.host.kv.dtype))
+        write_rows(self._host_kv, j, host_rows, entries.to(self._host_kv.dtype))
         s.host_writes[j : j + 1].add_(emit.sum())
         if not g.reserved:
             return
@@ -243,7 +245,7 @@ class TieredBatch(DecodeKV):
         hot_rows = g.state_fields["hot"].row(self.gbase, j * g.hot_slots)  # [rows], slot 0 of each hot buffer
         slots = resolve(
             ids, self._map_rows(safe), s.host.rows(self.host_blocks, safe), self.groups, hot_rows, s.entry_map[j],
-            s.arena, s.hot_entry_row[j], s.hot_stamp[j], s.host.kv[j], s.step, s.counters[j],
+            s.arena, s.hot_entry_row[j], s.hot_stamp[j], self._host_kv[j], s.step, s.counters[j],
         )  # fmt: skip
         return Segment(pool, torch.where(slots >= 0, hot_rows[:, None] + slots, -1))
 

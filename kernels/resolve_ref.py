@@ -118,7 +118,9 @@ def resolve_ref(
     hot_stamp.index_put_((book_or_dump, slot_or_0), step.expand(batch, k))
     # copy every lane's host row (static shape); only placed lanes land in a real slot
     dst = torch.where(placed, hot_rows[:, None] + victim, kv_dump)  # [batch, k]
-    values = host_pool[host_rows.clamp(min=0)].to(kv_pool.device, kv_pool.dtype)  # [batch, k, dim]
+    # A decode step passes the pool's device view (`cachetier.host_pool.HostPool.on`): the gather is then device
+    # work on mapped memory. Given the host pool itself (tests, tools) it reads there and copies back (a sync).
+    values = host_pool[host_rows.clamp(min=0).to(host_pool.device)].to(kv_pool.device, kv_pool.dtype)  # [batch, k, dim]
     kv_pool.index_put_((dst[..., None] * dim + torch.arange(dim, device=dst.device),), values)
 
     # 3. every valid id now has a slot (duplicates of a miss share its slot), or -1 if none was free
