@@ -63,6 +63,13 @@ def reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return out / out.sum()
 
 
+def _block(params: list[SamplingParams], vocab: int):
+    """The one block of a batch whose rows all sample (what `filtered_logits` takes)."""
+    sb = SamplingBatch.build(params, [0] * len(params), "cpu", vocab, block_rows=len(params))
+    assert sb.num_sampled == len(params) and len(sb.blocks) == 1
+    return sb.blocks[0]
+
+
 def _draws(logits: torch.Tensor, p: SamplingParams, n: int) -> torch.Tensor:
     """n draws of one row: half over successive indices of one seed, half over seeds at one index."""
     half = n // 2
@@ -102,16 +109,20 @@ def test_a_row_draws_the_same_alone_and_in_any_batch():
               SamplingParams(temperature=1.0, top_k=5), SamplingParams(logprobs=1),
               SamplingParams(temperature=0.6, top_k=100, top_p=0.95, min_p=0.02)]
     seeds = [11, 12, 13, 14, 15, 16, 17]
-    for index in range(20):
+    blocked = [SamplingBatch.build(params, seeds, "cpu", vocab, block_rows=b) for b in (1, 2)]  # CPU-style blocks
+    assert [len(b.blocks) for b in blocked] == [5, 3]
+    for index in range(12):
         together = sample(logits, params, seeds, [index] * 7)
         alone = [sample(logits[i : i + 1], [params[i]], [seeds[i]], [index])[0] for i in range(7)]
         assert together == alone
+        for b in blocked:
+            assert sample_batch(logits, b, index_column([index] * 7, "cpu")) == alone
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    batch = SamplingBatch.build(params, seeds, "cpu", vocab)
+    batch = _block([params[i] for i in sampled], vocab)
     assert batch.top_p_sorts  # the batch takes the full sort; each top-k + top-p row alone does not
     together = filtered_logits(logits[sampled], batch)
     for j, i in enumerate(sampled):
-        one = SamplingBatch.build([params[i]], [seeds[i]], "cpu", vocab)
+        one = _block([params[i]], vocab)
         assert torch.equal(filtered_logits(logits[i : i + 1], one)[0], together[j])
 
 
@@ -121,15 +132,20 @@ def test_ties_at_the_top_k_value_stay_together_on_both_paths():
     g = torch.Generator().manual_seed(9)
     x = (torch.randn(4, 400, generator=g) * 2).round() / 2  # [4, 400] about 25 distinct values per row
     p = SamplingParams(temperature=1.0, top_k=30, top_p=0.6)
-    ranked_alone = SamplingBatch.build([p] * 4, [0] * 4, "cpu", 400)
-    with_sort = SamplingBatch.build([p] * 4 + [SamplingParams(temperature=1.0, top_p=0.5)], [0] * 5, "cpu", 400)
+    ranked_alone = _block([p] * 4, 400)
+    with_sort = _block([p] * 4 + [SamplingParams(temperature=1.0, top_p=0.5)], 400)
     assert not ranked_alone.top_p_sorts and with_sort.top_p_sorts
     a = filtered_logits(x, ranked_alone)
     b = filtered_logits(torch.cat((x, x[:1])), with_sort)[:4]
     assert torch.equal(a, b)
     kth = x.topk(30, dim=-1).values[:, -1:]
     assert ((x >= kth).sum(-1) > 30).all()  # the ties reach past the 30th position
-    only_k = filtered_logits(x, SamplingBatch.build([SamplingParams(temperature=1.0, top_k=30)] * 4, [0] * 4, "cpu", 400))
+    # the rule in float64, token by token: among the top-k tokens (ties included, renormalised), keep a token
+    # iff the mass of the tokens strictly more likely than it is below top_p
+    q = torch.softmax(x.double().masked_fill(x < kth, float("-inf")), -1)  # [4, 400]
+    above = torch.stack([(q * (x > x[:, t : t + 1])).sum(-1) for t in range(400)], -1)
+    assert torch.equal(torch.isfinite(a), (x >= kth) & (above < 0.6))
+    only_k = filtered_logits(x, _block([SamplingParams(temperature=1.0, top_k=30)] * 4, 400))
     assert torch.equal(torch.isfinite(only_k), x >= kth)
 
 
@@ -137,18 +153,30 @@ def test_top_p_keeps_equal_probabilities_together():
     """Four tokens of 0.2 and two of 0.1: with top_p 0.3 the mass strictly above a 0.2 token is 0, so all four
     stay (no sort order decides between equals); 0.1 tokens have 0.8 before them and go."""
     x = torch.log(torch.tensor([[0.1, 0.2, 0.2, 0.1, 0.2, 0.2]]))
-    got = filtered_logits(x, SamplingBatch.build([SamplingParams(temperature=1.0, top_p=0.3)], [0], "cpu", 6))
+    got = filtered_logits(x, _block([SamplingParams(temperature=1.0, top_p=0.3)], 6))
     assert torch.isfinite(got).tolist() == [[False, True, True, False, True, True]]
+
+
+def test_top_p_weighs_the_whole_row():
+    """0.6, 0.3, 0.1: top_p 0.62 keeps two (0.6 before the second), 0.58 keeps one. The normaliser counts every
+    token, the smallest included, on both paths: the whole row sorted, and the top-3 candidates of a row with
+    a fourth token of no weight."""
+    three = torch.log(torch.tensor([[0.1, 0.6, 0.3]]))
+    four = torch.log(torch.tensor([[0.1, 0.6, 0.3, 1e-30]]))
+    for top_p, keep in ((0.62, [False, True, True]), (0.58, [False, True, False])):
+        got = filtered_logits(three, _block([SamplingParams(temperature=1.0, top_p=top_p)], 3))
+        assert torch.isfinite(got)[0].tolist() == keep
+        got = filtered_logits(four, _block([SamplingParams(temperature=1.0, top_p=top_p, top_k=3)], 4))
+        assert torch.isfinite(got)[0].tolist() == keep + [False]
 
 
 def test_min_p_drops_what_is_below_its_share_of_the_largest():
     probs = torch.tensor([0.40, 0.25, 0.12, 0.09, 0.08, 0.04, 0.02])
     x = torch.log(probs)[None]
     for min_p, keep in ((0.25, 3), (0.5, 2), (0.04, 7), (0.0, 7)):  # floors 0.1, 0.2, 0.016, none
-        sb = SamplingBatch.build([SamplingParams(temperature=1.0, min_p=min_p)], [0], "cpu", 7)
-        got = torch.isfinite(filtered_logits(x, sb))[0]
+        got = torch.isfinite(filtered_logits(x, _block([SamplingParams(temperature=1.0, min_p=min_p)], 7)))[0]
         assert got.tolist() == [i < keep for i in range(7)], min_p
-    hot = SamplingBatch.build([SamplingParams(temperature=2.0, min_p=0.5)], [0], "cpu", 7)  # min-p sees the tempered distribution
+    hot = _block([SamplingParams(temperature=2.0, min_p=0.5)], 7)  # min-p sees the tempered distribution
     tempered = torch.softmax(x / 2.0, -1)[0]
     assert torch.isfinite(filtered_logits(x, hot))[0].tolist() == (tempered >= 0.5 * tempered.max()).tolist()
     g = torch.Generator().manual_seed(1)
@@ -229,16 +257,18 @@ def _capture_batch(vocab: int, full_sort: bool) -> tuple[list[SamplingParams], l
     return params, list(range(100, 100 + len(params)))
 
 
-@pytest.mark.parametrize("full_sort", [False, True])
-def test_the_device_step_traces_as_one_graph(full_sort):
+@pytest.mark.parametrize(("full_sort", "block_rows"), [(False, None), (True, None), (True, 2)])
+def test_the_device_step_traces_as_one_graph(full_sort, block_rows):
     """`torch.compile(fullgraph=True)` raises on any graph break: a host read (.item(), .tolist(), bool of a
-    tensor), a data-dependent shape (nonzero, masked_select) or untraceable Python inside the step."""
+    tensor), a data-dependent shape (nonzero, masked_select) or untraceable Python inside the step. Greedy
+    and sampled rows, top-k, both top-p paths, min-p, one block and several."""
     torch._dynamo.reset()
     vocab = 500
     params, seeds = _capture_batch(vocab, full_sort)
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(len(params), vocab, generator=g)
-    sb = SamplingBatch.build(params, seeds, "cpu", vocab)
+    sb = SamplingBatch.build(params, seeds, "cpu", vocab, block_rows=block_rows)
+    assert len(sb.blocks) == (1 if block_rows is None else 2)
     index = index_column([3] * len(params), "cpu")
     step = torch.compile(sample_tokens, fullgraph=True, backend="eager")
     for _ in range(3):
