@@ -3,7 +3,10 @@
 A replica (`core.parallel.ParallelLayout`) runs one process per device. Per forward pass every rank:
 - with expert parallelism, starts with one all_gather of row counts over the metadata (gloo) group,
   so every MoE exchange pads to the same size on every rank (`begin_forward`; a step loop that gathered
-  the counts already to decide who idles passes them on through `sync_rows`, and no second gather runs);
+  the counts already to decide who idles passes them on through `sync_rows`, and no second gather runs).
+  A fixed-shape step gathers nothing: its ranks agreed on the host, before it, that each runs the same
+  bucket of rows (`fix_rows`), so every exchange is that many rows from every rank. Nothing of the step
+  then needs the host, and it can be captured in a CUDA graph (the NCCL collectives are capturable);
 - per attention layer with attention-TP: one all_reduce (sum) of the output projection over its TP group;
 - per MoE layer with expert parallelism: one all_gather of (rows, expert ids, routing weights), padded to
   the largest rank's rows, the local experts on all gathered rows, and one reduce_scatter (sum) that hands
@@ -139,6 +142,12 @@ class Comm:
         self._pending = self.gather(rows)
         return self._pending
 
+    def fix_rows(self, rows: int) -> None:
+        """The coming forward is a fixed-shape step in which every rank of the replica runs `rows` rows (the
+        bucket its step loop agreed on with the others, padding rows included): its MoE exchanges are `rows`
+        rows from each rank, with no row counts gathered inside it."""
+        self._pending = [rows] * self.layout.world
+
     def begin_forward(self, rows: int) -> None:
         """Called by the model at the start of each forward with this rank's rows."""
         if self.ep == 1:
@@ -155,7 +164,7 @@ class Comm:
 
     def tp_sum(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum a row-parallel projection's partial outputs over the TP group (in place)."""
-        dist.all_reduce(partial, group=self.tp_group)
+        self._all_reduce(partial, self.tp_group)
         self.stats.add(TP_ALL_REDUCE, partial)
         return partial
 
@@ -176,14 +185,25 @@ class Comm:
         send[:n, hidden:hidden + k] = idx
         send[:n, hidden + k:] = weights
         gathered = torch.empty(self.ep * most, hidden + 2 * k, dtype=torch.float32, device=x.device)
-        _all_gather(gathered, send, group=self.ep_group)
+        self._all_gather(gathered, send, self.ep_group)
         self.stats.add(EP_ALL_GATHER, send)
         y = experts(gathered[:, :hidden].to(x.dtype), gathered[:, hidden:hidden + k].long(),
                     gathered[:, hidden + k:].to(weights.dtype))  # [ranks * most, hidden], zero for padding rows
         out = torch.empty(most, hidden, dtype=y.dtype, device=y.device)
-        _reduce_scatter(out, y.contiguous(), group=self.ep_group)
+        self._reduce_scatter(out, y.contiguous(), self.ep_group)
         self.stats.add(EP_REDUCE_SCATTER, y)
         return out[:n].to(x.dtype)
+
+    # the device collectives of a step, as methods: a stand-in communicator (tests) replaces them with tensor ops
+    # of the same shapes
+    def _all_gather(self, out: torch.Tensor, inp: torch.Tensor, group) -> None:
+        _all_gather(out, inp, group=group)
+
+    def _reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, group) -> None:
+        _reduce_scatter(out, inp, group=group)
+
+    def _all_reduce(self, t: torch.Tensor, group) -> None:
+        dist.all_reduce(t, group=group)
 
     def all_equal(self, value: int) -> bool:
         """Whether every rank of the replica holds the same integer (a digest check: top-k picks, LRU state)."""
