@@ -6,8 +6,10 @@ the lines of this project that called it:
   `aten.lift_fresh*` ops). On CUDA that is a pageable copy and a sync; in a graph, a value frozen at capture.
 - `HOST_COPY`: a copy between host and device memory (`.cpu()`, `.to("cuda")` of a host tensor, `copy_`
   across them); `HOST_TENSOR`: any other op on host memory (a factory without `device=`, a host tensor
-  fed to a device op). Host work runs once at capture and never on replay. Memory the project maps into
-  the device's address space for zero-copy access (the host pool, passed as `mapped`) is device memory here.
+  fed to a device op). Host work runs once at capture and never on replay. Host memory mapped into the
+  device's address space for zero-copy access counts as device memory: the step reads the host pool
+  through its device view (`cachetier.host_pool.HostPool.on`, a CUDA tensor), and a registered host
+  tensor handed to a kernel as it is can be named in `mapped`.
 - `DEVICE_READ`: a read of device values on the host (`.item()`, `.tolist()`, `bool(t)`, `torch.equal`).
 - `DATA_SHAPE`: an allocation whose size depends on values (`nonzero`, `masked_select`, boolean-mask
   indexing, `unique`, `repeat_interleave` without `output_size`, ...): a sync to learn the size.
