@@ -56,8 +56,8 @@ _SEED_SALT = 0x5EED5A17  # keeps an all-zero seed from starting the key chain at
 
 def mix32_(x: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
     """Hash int64 values in [0, 2**32) in place (a bijection of [0, 2**32)); returns `x`. `scratch` is a
-    tensor of x's shape for the shifted copies: on the CPU a [64, 129280] temporary per shift costs more than
-    the arithmetic (a fresh mapping, page faults), so the full-vocabulary hash reuses one buffer."""
+    tensor of x's shape for the shifted copies, reused by all three shifts: on the CPU a fresh temporary per
+    shift of a [64, 129280] hash cost more than the arithmetic (83 against 154 ms measured for the rounds)."""
     x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=scratch))
     x.mul_(_MUL_1).bitwise_and_(_MASK32)
     x.bitwise_xor_(torch.bitwise_right_shift(x, 15, out=scratch))
