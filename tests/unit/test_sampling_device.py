@@ -98,9 +98,10 @@ def test_draws_follow_the_filtered_softmax(name):
 
 
 def test_a_row_draws_the_same_alone_and_in_any_batch():
-    """Each row's token, over 20 indices, alone and inside a batch of rows with other params: greedy rows, rows
+    """Each row's token, over 12 indices, alone and inside a batch of rows with other params: greedy rows, rows
     with logprobs, a top-p row without top-k (the batch sorts) beside top-k + top-p rows (alone they rank only
-    their top-k candidates), min-p. The filtered logits agree exactly, not just the tokens."""
+    their top-k candidates), min-p; in one block and in CPU-style blocks of one and two rows. The filtered
+    logits agree exactly, not just the tokens."""
     g = torch.Generator().manual_seed(5)
     vocab = 3000
     logits = torch.randn(7, vocab, generator=g) * 2.5
