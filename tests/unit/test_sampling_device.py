@@ -279,6 +279,26 @@ def test_the_device_step_traces_as_one_graph(full_sort, block_rows):
     assert torch.equal(step(logits[:3], greedy_only, index[:3]), logits[:3].argmax(-1))
 
 
+def test_the_device_step_holds_in_a_cuda_graph_on_fake_cuda():
+    """The step on (fake) CUDA tensors under the capture guard: no tensor from host data, no host tensor or
+    copy, no device read, no value-sized allocation — the CUDA branch of the step, checked without a GPU. The
+    parameter tensors are built before the region, as the decode worker builds them per group."""
+    from kernels.capture_guard import capture_guard, fake_cuda
+
+    vocab = 500
+    params, seeds = _capture_batch(vocab, full_sort=True)
+    params = params + [SamplingParams(temperature=0.9, top_k=7, top_p=0.5, logprobs=2)]
+    with fake_cuda():
+        logits = torch.randn(len(params), vocab, device="cuda")
+        for block_rows in (None, 2):
+            sb = SamplingBatch.build(params, seeds + [1], "cuda", vocab, block_rows=block_rows)
+            index = index_column([3] * len(params), "cuda")
+            with capture_guard("cuda"):
+                tokens = sample_tokens(logits, sb, index)
+                index += 1
+            assert tokens.shape == (len(params),) and tokens.device.type == "cuda"
+
+
 class _Table(StubModel):
     """A stand-in whose step gives each row logits that depend only on that row's last token (a fixed table):
     a request's stream can be worked out alone, whatever batch the worker decodes it in."""
