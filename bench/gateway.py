@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from bench.common import emit, environment, progress
-from core.roles import ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, TierConfig
+from core.roles import EAGER_STEP, ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, TierConfig
 from core.types import GenerateRequest, SamplingParams
 
 
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = ServeConfig(model="tiny", tier=TierConfig(device_budget_bytes=64 * 2**20, host_pool_bytes=256 * 2**20),
+    cfg = ServeConfig(model="tiny", step=EAGER_STEP, tier=TierConfig(device_budget_bytes=64 * 2**20, host_pool_bytes=256 * 2**20),
                       prefill=PrefillConfig(), cluster=ClusterConfig(placement="any"), server=ServerConfig(port=port))
     ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
     server = BackgroundServer(Service(cfg), cfg, port)

@@ -32,7 +32,7 @@ import time
 from bench.common import emit, environment, progress
 from bench.procs import cpu_by_role, cpu_seconds
 from bench.serve import latency_stats
-from core.roles import ClusterConfig, PrefillConfig, ServeConfig, TierConfig
+from core.roles import EAGER_STEP, ClusterConfig, PrefillConfig, ServeConfig, TierConfig
 from core.types import GenerateRequest, SamplingParams
 
 
@@ -55,7 +55,7 @@ class InProcess:
         from model.loader import load_model
 
         self.threads = threads
-        self.engine = InProcessEngine(load_model(ensure_builtin()), tier, prefill)
+        self.engine = InProcessEngine(load_model(ensure_builtin()), tier, prefill, step=EAGER_STEP)
 
     def run(self, reqs: list[GenerateRequest]) -> dict:
         import torch
@@ -122,7 +122,7 @@ def compare(reqs: list[GenerateRequest], tier: TierConfig, prefill: PrefillConfi
     actor_threads = max(1, int(ClusterConfig().decode_num_cpus))  # what each actor of the split gets
     setups = {"in_process": InProcess(tier, prefill, actor_threads),
               "in_process_every_core": InProcess(tier, prefill, os.cpu_count() or 1)}
-    cfg = ServeConfig(model="tiny", tier=tier, prefill=prefill, cluster=ClusterConfig(placement="any"))
+    cfg = ServeConfig(model="tiny", tier=tier, prefill=prefill, step=EAGER_STEP, cluster=ClusterConfig(placement="any"))
     svc = Service(cfg, prefix="bench")
     rounds: list[dict] = []
 

@@ -29,7 +29,7 @@ import torch
 from bench.common import emit, environment, progress
 from cachetier.batch import DecodeKV, Segment
 from cachetier.layout import KVLayout
-from core.roles import TierConfig, parse_bytes
+from core.roles import EAGER_STEP, TierConfig, parse_bytes
 
 PUBLISHED_LRU_MISS = {"k": 0.30, "2k": 0.134, "4k": 0.067}
 
@@ -252,7 +252,7 @@ def _worker(model, offload: bool, lru: int | None, budget: int, wrap=None):
     if wrap is not None:
         inner_batch = store.batch
         store.batch = lambda ids: wrap(inner_batch(ids))
-    return DecodeWorker(model, store, max_running=1024)
+    return DecodeWorker(model, store, max_running=1024, step_config=EAGER_STEP)  # wraps store.batch: the eager step
 
 
 def step_cost(batch: int, context: int, steps: int, budget: int, repeats: int, model=None,

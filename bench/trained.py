@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
     from cluster.inprocess import InProcessEngine
-    from core.roles import TierConfig
+    from core.roles import EAGER_STEP, TierConfig
     from core.types import GenerateRequest, SamplingParams
     from model.builtin import SHIPPED, ensure_builtin, random_init
     from model.loader import build_empty, load_model
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
 
     progress("samples")
     samples = []
-    engine = InProcessEngine(model, TierConfig(device_budget_bytes=32 * 2**20))
+    engine = InProcessEngine(model, TierConfig(device_budget_bytes=32 * 2**20), step=EAGER_STEP)
     for i, (name, ids) in enumerate(held_out_prompts(tok, a.samples, 96, offset_lines=20)):
         sp = SamplingParams(max_tokens=80, temperature=0.6, top_p=0.95, seed=i)
         done = engine.generate([GenerateRequest(name, tuple(ids), sp)])[name]

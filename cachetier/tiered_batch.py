@@ -63,7 +63,8 @@ class TieredBatch(DecodeKV):
 
     def bucket_tensors(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         """The buffers whose sizes are the bucket, with those dims: every other tensor of a step is sized from them."""
-        return [(self._meta, (1,)), (self._tables, (1, 2))]
+        return [(self._meta, (1,)), (self._tables, (1, 2)), (self.positions, (0,)), (self.groups, (0,)),
+                (self.token_ids, (0,)), (self.blocks, (0, 1)), (self.host_blocks, (0, 1))]  # views are inputs too
 
     # host side ------------------------------------------------------------------------------------
 
@@ -73,7 +74,7 @@ class TieredBatch(DecodeKV):
         n = len(residents)
         if n > rows:
             raise ValueError(f"{n} requests do not fit a view of {rows} rows")
-        g, pad = self.g, rows - n
+        g = self.g
         meta = self._meta_np  # written through NumPy: no tensor built from Python lists every step
         meta[0, :n] = list(map(num_tokens_of, residents))
         meta[1, :n] = list(map(group_of, residents))
@@ -83,10 +84,15 @@ class TieredBatch(DecodeKV):
         key = tuple(map(id, residents))
         self.residents = list(residents)
         if key != self._tables_for:
-            host_scratch = g.num_host_blocks  # the host pool's last block is scratch
-            pages = [(r.blocks + [g.scratch_page] * width)[:width] for r in residents] + [[g.scratch_page] * width] * pad
-            hosts = [(r.host_blocks + [host_scratch] * width)[:width] for r in residents] + [[host_scratch] * width] * pad
-            self._tables_host.copy_(torch.tensor([pages, hosts], dtype=torch.long))
+            # Each row's tables from its resident's int64 arrays, scratch past them and on the padding rows:
+            # a slice copy per row (64 rows x 4,096 blocks in well under a millisecond), no Python lists.
+            tables = self._tables_host.numpy()  # [2, rows, width]: device pages, host blocks
+            tables[0], tables[1] = g.scratch_page, g.num_host_blocks  # the host pool's last block is scratch
+            for i, r in enumerate(residents):
+                nb = min(len(r.blocks_np), width)
+                tables[0, i, :nb] = r.blocks_np[:nb]
+                nh = min(len(r.host_blocks_np), width)
+                tables[1, i, :nh] = r.host_blocks_np[:nh]
             if self._tables is not self._tables_host:
                 self._tables.copy_(self._tables_host, non_blocking=True)
             self._tables_for = key

@@ -86,4 +86,4 @@ class InProcessEngine:
         return out
 
     def close(self) -> None:
-        self.store.close()
+        self.decode.close()

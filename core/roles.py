@@ -96,20 +96,22 @@ class StepConfig:
     """How a decode worker runs its step (`decode.runner`)."""
 
     decode_mode: str = "auto"
-    """`auto`: `compiled` on CUDA, `eager` on CPU (where compiling the step costs a minute or more at the
-    first start). `eager`: run the step op by op with exactly as many rows as requests. `compiled`: pad the
-    batch and the gather lengths to buckets and run one fixed-shape step per bucket — compiled with
-    `torch.compile(fullgraph=True)` on CPU, captured in a CUDA graph on CUDA. Plain-layout stores
-    always run eagerly."""
+    """`auto`: `compiled` wherever the model and store can run fixed-shape steps (CUDA graphs on CUDA,
+    `torch.compile` on CPU), else `eager`. `eager`: run the step op by op with exactly as many rows as
+    requests. `compiled`: pad the batch and the gather lengths to buckets and run one fixed-shape step per
+    bucket — compiled with `torch.compile(fullgraph=True)` on CPU, captured in a CUDA graph on CUDA.
+    Plain-layout stores, stand-in models and replica ranks always run eagerly."""
     cuda_graphs: bool = True
     """With `compiled` on CUDA: capture and replay CUDA graphs; off runs the same fixed-shape step
     eagerly (to tell a capture problem from a step problem)."""
     warmup: bool = True
-    """With `compiled`: compile (CPU) or capture (CUDA) when the worker starts, on scratch rows, so the
-    first requests do not wait for it."""
+    """With `compiled`: compile (CPU) or capture (CUDA, up to `capture_context_tokens`) before the worker is
+    ready, on scratch rows; after that no step ever compiles or captures (one that would need it runs
+    eagerly, or on CUDA uncaptured until the worker is idle). Off: the first step of a bucket compiles or
+    captures it (tests use it to compile at a known step)."""
     capture_context_tokens: int = 4096
     """With `compiled` on CUDA: context lengths whose buckets are captured at start-up (every batch
-    bucket up to max_running); a longer context is captured when a step first needs it."""
+    bucket up to max_running); a longer context runs uncaptured until the worker is next idle."""
     compile_backend: str = "inductor"
     """With `compiled` on CPU: `inductor` generates fused C++ for the step (fast steps; a minute or more
     to compile the first time, seconds from the on-disk cache); `eager` only captures the whole step
@@ -124,6 +126,11 @@ class StepConfig:
             raise ValueError(f"decode_mode {self.decode_mode!r} is not one of {DECODE_MODES}")
         if self.compile_backend not in COMPILE_BACKENDS:
             raise ValueError(f"compile_backend {self.compile_backend!r} is not one of {COMPILE_BACKENDS}")
+
+
+EAGER_STEP = StepConfig(decode_mode="eager")
+"""The decode step op by op: what benches and tests about something other than the compiled step run (serving
+defaults to `compiled`, which on a CPU compiles for minutes from an empty Inductor cache before it serves)."""
 
 
 @dataclass(frozen=True)
@@ -174,10 +181,10 @@ class ClusterConfig:
     """CPUs each prefill actor reserves."""
     decode_num_cpus: float = 1.0
     """CPUs each decode actor reserves."""
-    prefill_num_gpus: float = 0.0
-    """GPUs each prefill actor reserves."""
-    decode_num_gpus: float = 0.0
-    """GPUs each decode actor reserves."""
+    prefill_num_gpus: float | None = None
+    """GPUs each prefill actor reserves; None: one where the cluster has GPUs, else none (`gpus_per_actor`)."""
+    decode_num_gpus: float | None = None
+    """GPUs each decode actor reserves; None: one where the cluster has GPUs, else none (`gpus_per_actor`)."""
     placement: str = "resources"
     """`resources`: actors require the role resources `hisparse_prefill` / `hisparse_decode` that nodes
     advertise (`ray start --resources '{"hisparse_decode": 4}'`); `any`: no role placement (the embedded
@@ -187,6 +194,14 @@ class ClusterConfig:
     transport: str = "object_store"
     """Handoff transport: `object_store` (default), or Ray's direct tensor transport: `nccl`/`nixl` (GPUs),
     `gloo` (CPUs)."""
+
+    def gpus_per_actor(self, cluster_gpus: float) -> tuple[float, float]:
+        """GPUs each prefill and each decode actor reserves in a cluster with `cluster_gpus` GPUs: what was asked
+        for, else one each where there are GPUs (Ray hides every GPU from an actor that reserves none, so an
+        actor left at 0 would compute on the CPU of a GPU machine), else none."""
+        default = 1.0 if cluster_gpus > 0 else 0.0
+        return (default if self.prefill_num_gpus is None else self.prefill_num_gpus,
+                default if self.decode_num_gpus is None else self.decode_num_gpus)
 
     @property
     def prefill_actors(self) -> int:
@@ -321,6 +336,8 @@ class ServeConfig:
     kv_format: str = "auto"
     """How KV rows are stored (`core.kv_format`): `bf16`, `v4` (FP8 rows + MXFP4 indexer keys, packed) or
     `auto` (what the checkpoint was trained for: `v4` for DeepSeek-V4 checkpoints, `bf16` for the built-in model)."""
+    dtype: str = "auto"
+    """What the model computes in (`core.device.DTYPES`): `auto` is bfloat16 on CUDA and float32 on the CPU."""
     tier: TierConfig = field(default_factory=TierConfig)
     step: StepConfig = field(default_factory=StepConfig)
     """How decode workers run their step: eager, or bucketed and compiled / captured."""

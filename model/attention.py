@@ -43,8 +43,10 @@ def compress_segment(
         d = comp.dim
         prev_kv = torch.cat((state.prev_kv[None], win_kv[:-1, :, :d]))
         prev_score = torch.cat((state.prev_score[None], win_score[:-1, :, :d]))
-        new_state.prev_kv = win_kv[-1, :, :d].clone()
-        new_state.prev_score = win_score[-1, :, :d].clone()
+        # kept in the state's own dtype: a score computed in fp32 must not turn a bf16 layout's state fp32 (the
+        # arena stores state in the model dtype, so a plain layout keeping fp32 would decode differently)
+        new_state.prev_kv = win_kv[-1, :, :d].to(state.prev_kv.dtype, copy=True)
+        new_state.prev_score = win_score[-1, :, :d].to(state.prev_score.dtype, copy=True)
     entries = comp.pool(win_kv, win_score, prev_kv, prev_score)
     first = start - pending
     positions = first + torch.arange(n_new, device=kv.device) * m

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import ray
 from ray.cluster_utils import Cluster
-from serving_helpers import run
+from serving_helpers import EAGER, run
 
 from cluster.inprocess import InProcessEngine
 from cluster.protocol import ROLE_DECODE, ROLE_PREFILL
@@ -38,7 +38,7 @@ def _req(i: int, n: int = 12):
 
 def test_roles_place_actors_and_survive_node_loss(loop, cluster, tiny_model):
     c, prefill_node, decode_node = cluster
-    cfg = ServeConfig(model="tiny", tier=TIER, cluster=ClusterConfig(address=c.address, placement="resources", max_restarts=3),
+    cfg = ServeConfig(step=EAGER, model="tiny", tier=TIER, cluster=ClusterConfig(address=c.address, placement="resources", max_restarts=3),
                       deadlines=DeadlineConfig(queue_timeout_s=3.0))
     svc = Service(cfg, prefix="mn")
     run(loop, svc.start())
@@ -46,7 +46,7 @@ def test_roles_place_actors_and_survive_node_loss(loop, cluster, tiny_model):
         assert svc.actors.prefill_info[0]["node_id"] == prefill_node.node_id
         assert svc.actors.decode_info[0]["node_id"] == decode_node.node_id
 
-        eng = InProcessEngine(tiny_model, TIER)
+        eng = InProcessEngine(tiny_model, TIER, step=EAGER)
         expect = eng.generate([_req(0)])["mn-0"].token_ids
         assert [e.token.token_id for e in run(loop, svc.complete(_req(0)))] == expect
 
@@ -92,14 +92,14 @@ def test_decode_replica_lands_whole_on_a_decode_node(loop, cluster, tiny_model):
     c, _, _ = cluster
     node = c.add_node(num_cpus=2, resources={ROLE_DECODE: 2}, node_ip_address="127.0.0.1")
     c.wait_for_nodes()
-    cfg = ServeConfig(model="tiny", tier=TIER, cluster=ClusterConfig(address=c.address, placement="resources",
+    cfg = ServeConfig(step=EAGER, model="tiny", tier=TIER, cluster=ClusterConfig(address=c.address, placement="resources",
                                                                      decode_layout="dp2+ep2"))
     svc = Service(cfg, prefix="mnr")
     run(loop, svc.start())
     try:
         assert [i["node_id"] for i in svc.actors.decode_info] == [node.node_id] * 2
         assert [i["rank"] for i in svc.actors.decode_info] == [0, 1]
-        eng = InProcessEngine(tiny_model, TIER)
+        eng = InProcessEngine(tiny_model, TIER, step=EAGER)
         reqs = [_req(200 + i) for i in range(3)]
         expect = eng.generate(reqs)
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import ray
-from serving_helpers import local_ray, run
+from serving_helpers import EAGER, local_ray, run
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service
@@ -24,7 +24,7 @@ TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=4 * 2**
 @pytest.fixture(scope="module")
 def service(loop, tiny_dir):
     local_ray(tiny_dir)
-    cfg = ServeConfig(model="tiny", kv_format="v4", tier=TIER, prefill=PrefillConfig(max_batch_tokens=256),
+    cfg = ServeConfig(step=EAGER, model="tiny", kv_format="v4", tier=TIER, prefill=PrefillConfig(max_batch_tokens=256),
                       cluster=ClusterConfig(num_prefill=1, num_decode=1, placement="any", max_restarts=0))
     svc = Service(cfg, prefix="pdkv")
     run(loop, svc.start())
@@ -46,7 +46,7 @@ def test_pd_split_with_packed_kv_equals_dense_reference(loop, service, tiny_dir)
 
     got = run(loop, go())
     dense = load_model(tiny_dir, kv_format="v4-dense")
-    eng = InProcessEngine(dense, TIER)
+    eng = InProcessEngine(dense, TIER, step=EAGER)
     done = eng.generate(reqs)
     eng.close()
     assert got == {r.request_id: done[r.request_id].token_ids for r in reqs}

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import ray
-from serving_helpers import complete_killing_prefill, local_ray, member_holding, run, stream_with_fault
+from serving_helpers import EAGER, complete_killing_prefill, local_ray, member_holding, run, stream_with_fault
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service
@@ -23,6 +23,7 @@ TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=4 * 2**
 def service(loop, tiny_dir):
     local_ray(tiny_dir)
     cfg = ServeConfig(
+        step=EAGER,
         model="tiny", tier=TIER, prefill=PrefillConfig(max_batch_tokens=256),
         cluster=ClusterConfig(num_prefill=2, num_decode=2, placement="any", max_restarts=2),
         deadlines=DeadlineConfig(queue_timeout_s=5.0),  # with no decode actor left, how long a request waits for one
@@ -43,7 +44,7 @@ def _requests(n: int, prompt_len: int = 40, max_tokens: int = 30):
 
 
 def _inprocess(tiny_model, reqs):
-    eng = InProcessEngine(tiny_model, TIER)
+    eng = InProcessEngine(tiny_model, TIER, step=EAGER)
     done = eng.generate(reqs)
     eng.close()
     return {r.request_id: done[r.request_id].token_ids for r in reqs}

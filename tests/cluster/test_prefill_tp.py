@@ -12,7 +12,7 @@ import time
 
 import pytest
 import ray
-from serving_helpers import local_ray, run
+from serving_helpers import EAGER, local_ray, run
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service
@@ -24,7 +24,7 @@ TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=4 * 2**
 
 
 def _config(**cluster) -> ServeConfig:
-    return ServeConfig(model="tiny", tier=TIER, prefill=PrefillConfig(max_batch_tokens=128),
+    return ServeConfig(step=EAGER, model="tiny", tier=TIER, prefill=PrefillConfig(max_batch_tokens=128),
                        cluster=ClusterConfig(placement="any", num_prefill=1, num_decode=1, **cluster))
 
 
@@ -47,7 +47,7 @@ def test_tp_prefill_group_equals_one_process(loop, service, tiny_model):
         return [[e.token.token_id for e in evs] for evs in out]
 
     got = run(loop, go())
-    eng = InProcessEngine(tiny_model, TIER)
+    eng = InProcessEngine(tiny_model, TIER, step=EAGER)
     want = eng.generate(reqs)
     eng.close()
     assert got == [want[r.request_id].token_ids for r in reqs]
@@ -58,5 +58,5 @@ def test_tp_prefill_group_equals_one_process(loop, service, tiny_model):
 
 def test_tp_prefill_refuses_the_prefix_cache(tiny_dir):
     with pytest.raises(ValueError, match="prefix cache"):
-        Service(ServeConfig(model="tiny", prefill=PrefillConfig(prefix_cache=PrefixCacheConfig(enabled=True)),
+        Service(ServeConfig(step=EAGER, model="tiny", prefill=PrefillConfig(prefix_cache=PrefixCacheConfig(enabled=True)),
                             cluster=ClusterConfig(placement="any", prefill_layout="tp2")))

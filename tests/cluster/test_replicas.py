@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 import ray
-from serving_helpers import complete_killing_prefill, free_port, start_gateway, stop_gateway, stream_with_fault
+from serving_helpers import EAGER, complete_killing_prefill, free_port, start_gateway, stop_gateway, stream_with_fault
 
 from cluster.inprocess import InProcessEngine
 from core.roles import ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, StepConfig, TierConfig
@@ -43,7 +43,7 @@ def _prompt(i: int, n: int) -> list[int]:
 
 
 def _reference(tiny_model, prompts, max_tokens):
-    eng = InProcessEngine(tiny_model, TIER)
+    eng = InProcessEngine(tiny_model, TIER, step=EAGER)
     reqs = [GenerateRequest(f"ref{i}", tuple(p), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
             for i, p in enumerate(prompts)]
     done = eng.generate(reqs)

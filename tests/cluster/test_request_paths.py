@@ -9,7 +9,7 @@ import time
 
 import pytest
 import ray
-from serving_helpers import local_ray, member_holding, run, stream_with_fault
+from serving_helpers import EAGER, local_ray, member_holding, run, stream_with_fault
 
 from cachetier.layout import pack_layout
 from cluster.inprocess import InProcessEngine
@@ -30,7 +30,7 @@ DEADLINES = DeadlineConfig(queue_timeout_s=2.0, step_hang_s=1.5, token_timeout_s
 @pytest.fixture(scope="module")
 def service(loop, tiny_dir):
     local_ray(tiny_dir)
-    cfg = ServeConfig(model="tiny", tier=TIER, prefill=PrefillConfig(max_batch_tokens=256),
+    cfg = ServeConfig(step=EAGER, model="tiny", tier=TIER, prefill=PrefillConfig(max_batch_tokens=256),
                       cluster=ClusterConfig(num_prefill=1, num_decode=2, placement="any", max_restarts=1,
                                             prefill_num_cpus=0.5, decode_num_cpus=0.5),
                       deadlines=DEADLINES, faults=FaultConfig(poison_token_id=POISON))
@@ -48,7 +48,7 @@ def _req(i: int, prompt_len: int = 50, max_tokens: int = 20, poison: bool = Fals
 
 
 def _alone(tiny_model, reqs):
-    eng = InProcessEngine(tiny_model, TIER)
+    eng = InProcessEngine(tiny_model, TIER, step=EAGER)
     out = {k: v.token_ids for k, v in eng.generate(reqs).items()}
     eng.close()
     return out

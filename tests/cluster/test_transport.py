@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import ray
-from serving_helpers import local_ray, run
+from serving_helpers import EAGER, local_ray, run
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service
@@ -19,7 +19,7 @@ TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=4 * 2**
 
 def test_gloo_transport_hands_layouts_over(loop, tiny_dir, tiny_model):
     local_ray(tiny_dir)
-    svc = Service(ServeConfig(model="tiny", tier=TIER, cluster=ClusterConfig(placement="any", transport="gloo")), prefix="gloo")
+    svc = Service(ServeConfig(step=EAGER, model="tiny", tier=TIER, cluster=ClusterConfig(placement="any", transport="gloo")), prefix="gloo")
     try:
         run(loop, svc.start())
         reqs = [GenerateRequest(f"g{i}", tuple(range(20 + i, 90 + 3 * i)), SamplingParams(max_tokens=10, ignore_eos=True))
@@ -29,7 +29,7 @@ def test_gloo_transport_hands_layouts_over(loop, tiny_dir, tiny_model):
             return await asyncio.gather(*(svc.complete(r) for r in reqs))
 
         got = {r.request_id: [e.token.token_id for e in evs] for r, evs in zip(reqs, run(loop, go()))}
-        eng = InProcessEngine(tiny_model, TIER)
+        eng = InProcessEngine(tiny_model, TIER, step=EAGER)
         ref = {k: v.token_ids for k, v in eng.generate(reqs).items()}
         eng.close()
         assert got == ref

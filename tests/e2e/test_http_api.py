@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 import ray
-from serving_helpers import free_port, start_gateway, stop_gateway
+from serving_helpers import EAGER, free_port, start_gateway, stop_gateway
 
 from cluster.inprocess import InProcessEngine
 from core.roles import ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, TierConfig
@@ -21,7 +21,7 @@ TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=5 * 2**
 
 @pytest.fixture(scope="module")
 def gw(tiny_dir):
-    cfg = ServeConfig(model="tiny", tier=TIER, prefill=PrefillConfig(max_batch_tokens=1024),
+    cfg = ServeConfig(step=EAGER, model="tiny", tier=TIER, prefill=PrefillConfig(max_batch_tokens=1024),
                       cluster=ClusterConfig(placement="any"), server=ServerConfig(port=free_port(), max_concurrent_requests=64))
     g = start_gateway(cfg, tiny_dir)
     yield g
@@ -48,7 +48,7 @@ def _sse(text: str) -> list:
 
 
 def _plain(tiny_model, prompt_ids, max_tokens, **sp):
-    eng = InProcessEngine(tiny_model, TIER)
+    eng = InProcessEngine(tiny_model, TIER, step=EAGER)
     done = eng.generate([GenerateRequest("ref", tuple(prompt_ids), SamplingParams(max_tokens=max_tokens, **sp))])["ref"]
     eng.close()
     return done

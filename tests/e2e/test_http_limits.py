@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 import ray
-from serving_helpers import free_port, start_gateway, stop_gateway
+from serving_helpers import EAGER, free_port, start_gateway, stop_gateway
 
 from core.roles import ClusterConfig, DeadlineConfig, ServeConfig, ServerConfig, TierConfig
 
@@ -18,6 +18,7 @@ pytestmark = pytest.mark.ray
 @pytest.fixture(scope="module")
 def gw(tiny_dir):
     cfg = ServeConfig(
+        step=EAGER,
         model="tiny", tier=TierConfig(device_budget_bytes=8 * 2**20, host_pool_bytes=32 * 2**20),
         cluster=ClusterConfig(placement="any", max_restarts=0, prefill_num_cpus=0.5, decode_num_cpus=0.5),
         server=ServerConfig(port=free_port(), max_concurrent_requests=2),

@@ -21,7 +21,7 @@ def _serve(tiny_dir, directory, port):
     return subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--device-budget", "16MiB",
                              "--prefill-num-cpus", "0.5", "--decode-num-cpus", "0.5", "--num-prefill", "2",
                              "--prefix-cache", "on", "--prefix-cache-page-tokens", "64", "--prefix-cache-disk-bytes",
-                             "64MiB", "--prefix-cache-dir", str(directory)],
+                             "64MiB", "--prefix-cache-dir", str(directory), "--decode-mode", "eager"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

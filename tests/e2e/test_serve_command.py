@@ -23,7 +23,7 @@ def test_hisparse_serve_end_to_end(tiny_dir):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url, proc)
+        wait_healthy(url, proc, timeout_s=1200)  # the defaults compile the decode step first: minutes with a cold cache
         r = httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 5, "ignore_eos": True}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5
         assert httpx.get(url + "/v1/models").json()["data"][0]["id"] == "tiny"
@@ -42,7 +42,8 @@ def test_two_gateway_processes_behind_an_api_key(tiny_dir):
     port = free_port()
     env = dict(os.environ, HISPARSE_CACHE=str(tiny_dir.parent.parent), HISPARSE_API_KEY="k-9f2e1d")
     proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--device-budget", "16MiB",
-                             "--prefill-num-cpus", "0.5", "--decode-num-cpus", "0.5", "--api-workers", "2"],
+                             "--prefill-num-cpus", "0.5", "--decode-num-cpus", "0.5", "--api-workers", "2",
+                             "--decode-mode", "eager"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     auth = {"Authorization": "Bearer k-9f2e1d"}

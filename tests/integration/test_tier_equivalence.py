@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from cachetier.store import LayoutStore, TieredStore
-from core.roles import StepConfig, TierConfig
+from core.roles import EAGER_STEP, StepConfig, TierConfig
 from core.types import SamplingParams
 from decode.worker import DecodeRequest, DecodeWorker
 from model.sampling import sample
@@ -31,16 +31,19 @@ JOIN_AT = [0, 0, 0, 0, 0, 0, 30, 60, 110, 250]  # steps at which each request is
 CAPTURED = StepConfig(decode_mode="compiled", compile_backend="eager", warmup=False)
 
 
-def _schedule(model, store, step_config=None):
+def _schedule(model, store, step_config=None, short=False):
+    """`short`: the first six requests (all join at once) at half their length: still 50+ C4 entries each
+    against a hot buffer of 20 slots (the bf16 runs, which check the same identity in the other dtype)."""
     g = torch.Generator().manual_seed(123)
     reqs = []
-    for i, (n, mt) in enumerate(zip(PROMPTS, MAX_TOKENS)):
+    lengths = [mt // 2 for mt in MAX_TOKENS[:6]] if short else MAX_TOKENS
+    for i, (n, mt) in enumerate(zip(PROMPTS, lengths)):
         ids = torch.randint(6, model.cfg.vocab_size, (n,), generator=g).tolist()
         sp = SamplingParams(max_tokens=mt, ignore_eos=True, temperature=0.0 if i % 2 == 0 else 0.9, top_p=0.95)
         logits, layout = model.prefill(ids, last_only=True)
         first = sample(logits, [sp], [1000 + i], [0])[0]
         reqs.append(DecodeRequest(f"r{i}", layout, first, sp, seed=1000 + i))
-    worker = DecodeWorker(model, store, max_running=16, step_config=step_config)
+    worker = DecodeWorker(model, store, max_running=16, step_config=step_config or EAGER_STEP)
     out = {r.request_id: [r.first_token.token_id] for r in reqs}
     step, max_batch = 0, 0
     while step == 0 or worker.has_work() or any(j >= step for j in JOIN_AT):
@@ -69,16 +72,19 @@ def _run(name: str, model_dir: str):
     from model.loader import load_model
 
     torch.set_num_threads(1)
-    model = load_model(model_dir)
+    short = name.endswith("_bf16")
+    name = name.removesuffix("_bf16")
+    model = load_model(model_dir, dtype=torch.bfloat16 if short else torch.float32)
     cfg = model.cfg
     budget = 64 * 2**20
     if name == "plain":
-        return _schedule(model, LayoutStore(cfg))
+        return _schedule(model, LayoutStore(cfg), short=short)
     if name == "off":
-        return _schedule(model, TieredStore(cfg, TierConfig(offload=False, device_budget_bytes=budget)))
+        return _schedule(model, TieredStore(cfg, TierConfig(offload=False, device_budget_bytes=budget), dtype=model.dtype),
+                         short=short)
     on = TieredStore(cfg, TierConfig(offload=True, hot_buffer_slots=cfg.index_topk, reserved_slots=4,
-                                     device_budget_bytes=budget, host_pool_bytes=64 * 2**20))
-    return _schedule(model, on, CAPTURED if name == "on_captured" else None)
+                                     device_budget_bytes=budget, host_pool_bytes=64 * 2**20), dtype=model.dtype)
+    return _schedule(model, on, CAPTURED if name == "on_captured" else None, short=short)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +94,7 @@ def streams(tiny_dir):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    names = ("on_captured", "on", "off", "plain")  # the slowest first: the other three run beside it
+    names = ("on_captured", "on", "off", "plain", "on_bf16", "off_bf16", "plain_bf16")  # the slowest first
     with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {name: pool.submit(_run, name, str(tiny_dir)) for name in names}
         return {name: f.result() for name, f in futures.items()}
@@ -100,6 +106,17 @@ def test_streams_identical_across_tiers(streams):
     assert on == plain
     assert [len(on[f"r{i}"]) for i in range(len(PROMPTS))] == MAX_TOKENS
     assert streams["on"][1] >= 8  # at least eight requests decoded side by side
+
+
+def test_bf16_streams_identical_across_tiers(streams):
+    """The same identity in bf16 (`--dtype bfloat16`, what a GPU serves): bf16 rows, bf16 arithmetic, tier on
+    with misses on every CSA layer, off and plain layouts give one stream."""
+    on, off, plain = streams["on_bf16"][0], streams["off_bf16"][0], streams["plain_bf16"][0]
+    assert on == off == plain
+    assert [len(on[f"r{i}"]) for i in range(6)] == [mt // 2 for mt in MAX_TOKENS[:6]]
+    assert on != {k: v[: len(on[k])] for k, v in streams["on"][0].items() if k in on}  # bf16 is not fp32's stream
+    counters = streams["on_bf16"][2]["counters"]
+    assert bool((counters[:, 1] > 0).all()), counters  # misses on every CSA layer
 
 
 @pytest.mark.parametrize("name", ["on_captured"])
@@ -131,7 +148,7 @@ def test_misses_on_every_csa_layer(streams, name):
 
 
 def test_everything_returned_after_the_run(streams):
-    for name in ("on", "off", "on_captured"):
+    for name in ("on", "off", "on_captured", "on_bf16", "off_bf16"):
         st = streams[name][2]["stats"]
         assert st["running"] == 0 and st["device_bytes_used"] == 0 and st["host_bytes_used"] == 0
         assert st["pages_free"] == st["pages_total"]

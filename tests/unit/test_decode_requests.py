@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from serving_helpers import EAGER  # noqa: E402
 
 from cachetier.store import TieredStore
 from core.roles import FaultConfig, StubConfig, TierConfig
@@ -45,13 +46,13 @@ def _empty(store: TieredStore) -> None:
 
 def test_reserved_path_gives_the_queued_path_tokens(tiny_model):
     reqs = [_request(tiny_model, f"r{i}", 40 + 9 * i, seed=i) for i in range(3)]
-    queued = DecodeWorker(tiny_model, TieredStore(tiny_model.cfg, TIER))
+    queued = DecodeWorker(tiny_model, TieredStore(tiny_model.cfg, TIER), step_config=EAGER)
     for r in reqs:
         queued.submit(DecodeRequest(r.request_id, r.layout.clone(), r.first_token, r.sampling, r.seed))
     want = _run(queued)
 
     store = TieredStore(tiny_model.cfg, TIER)
-    worker = DecodeWorker(tiny_model, store)
+    worker = DecodeWorker(tiny_model, store, step_config=EAGER)
     free0 = store.capacity()["pages_free"]
     for r in reqs:  # pages are held before the layouts exist
         assert worker.reserve(r.request_id, r.reserve_tokens, owner="gw")
@@ -66,7 +67,7 @@ def test_reserved_path_gives_the_queued_path_tokens(tiny_model):
 
 def test_reservations_refuse_when_full_and_never_fitting_raises(tiny_model):
     store = TieredStore(tiny_model.cfg, TIER)
-    worker = DecodeWorker(tiny_model, store, max_running=2)
+    worker = DecodeWorker(tiny_model, store, max_running=2, step_config=EAGER)
     assert worker.reserve("a", 300) and worker.reserve("b", 300)
     assert not worker.reserve("c", 300)  # max_running counts reservations
     worker.abort("a")
@@ -81,7 +82,7 @@ def test_reservations_refuse_when_full_and_never_fitting_raises(tiny_model):
 
 
 def test_arrival_without_reservation_is_refused(tiny_model):
-    worker = DecodeWorker(tiny_model, TieredStore(tiny_model.cfg, TIER))
+    worker = DecodeWorker(tiny_model, TieredStore(tiny_model.cfg, TIER), step_config=EAGER)
     r = _request(tiny_model, "late")
     assert worker.reserve("late", r.reserve_tokens)
     worker.abort("late")  # the frontend gave up on it while its layout was on the way
@@ -92,7 +93,7 @@ def test_arrival_without_reservation_is_refused(tiny_model):
 
 def test_lapsed_reservation_is_freed_and_reported(tiny_model):
     store = TieredStore(tiny_model.cfg, TIER)
-    worker = DecodeWorker(tiny_model, store)
+    worker = DecodeWorker(tiny_model, store, step_config=EAGER)
     assert worker.reserve("lost", 200, owner="gw", lease_s=0.05)
     assert not worker.has_work()  # nothing to do until the lease lapses
     time.sleep(0.1)
@@ -105,7 +106,7 @@ def test_lapsed_reservation_is_freed_and_reported(tiny_model):
 
 def test_a_layout_that_cannot_be_written_fails_only_its_request(tiny_model):
     store = TieredStore(tiny_model.cfg, TIER)
-    worker = DecodeWorker(tiny_model, store)
+    worker = DecodeWorker(tiny_model, store, step_config=EAGER)
     good = _request(tiny_model, "good", seed=1)
     bad = _request(tiny_model, "bad", prompt_len=90, seed=2)
     assert worker.reserve("good", good.reserve_tokens, owner="gw")
@@ -122,7 +123,7 @@ def test_a_layout_that_cannot_be_written_fails_only_its_request(tiny_model):
 def test_a_poisoned_request_fails_its_step_and_then_fails_alone(tiny_model):
     faults = FaultConfig(poison_token_id=999)
     store = TieredStore(tiny_model.cfg, TIER)
-    worker = DecodeWorker(tiny_model, store, faults=faults)
+    worker = DecodeWorker(tiny_model, store, faults=faults, step_config=EAGER)
     clean = {r.request_id: r for r in (_request(tiny_model, f"ok{i}", seed=10 + i) for i in range(2))}
     want = _run_alone(tiny_model, list(clean.values()))
 
@@ -148,7 +149,7 @@ def _copy(r: DecodeRequest) -> DecodeRequest:
 
 
 def _run_alone(model, reqs: list[DecodeRequest]) -> dict[str, list[int]]:
-    worker = DecodeWorker(model, TieredStore(model.cfg, TIER))
+    worker = DecodeWorker(model, TieredStore(model.cfg, TIER), step_config=EAGER)
     for r in reqs:
         worker.submit(_copy(r))
     return _run(worker)
@@ -156,7 +157,7 @@ def _run_alone(model, reqs: list[DecodeRequest]) -> dict[str, list[int]]:
 
 def test_abort_returns_memory_wherever_the_request_is(tiny_model):
     store = TieredStore(tiny_model.cfg, TIER)
-    worker = DecodeWorker(tiny_model, store)
+    worker = DecodeWorker(tiny_model, store, step_config=EAGER)
     running, arriving, reserved = (_request(tiny_model, n, seed=i) for i, n in enumerate(("run", "arr", "res")))
     for r in (running, arriving, reserved):
         assert worker.reserve(r.request_id, r.reserve_tokens)
@@ -189,7 +190,7 @@ def test_a_step_batch_ends_each_request_by_its_own_rule(tiny_model, with_logprob
     model = _Counting(tiny_model, StubConfig(decode_step_s=0.0))
     eos = tiny_model.cfg.eos_token_ids[0]
     store = TieredStore(tiny_model.cfg, TIER)
-    worker = DecodeWorker(model, store, eos_ids=(eos,))
+    worker = DecodeWorker(model, store, eos_ids=(eos,), step_config=EAGER)
     layout = tiny_model.prefill(list(range(6, 30)), last_only=True)[1]
 
     def req(rid, first, solo=False, **sp):

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from serving_helpers import EAGER  # noqa: E402
 
 from cachetier.geometry import BudgetTooSmall, Geometry
 from cachetier.pages import PageAllocator
@@ -55,7 +56,7 @@ def test_admission_counts_match_footprint(tiny_model):
         tier = TierConfig(offload=offload, device_budget_bytes=budget, max_running=1000)
         store = TieredStore(cfg, tier)
         geo = store.geo
-        worker = DecodeWorker(tiny_model, store, max_running=1000)
+        worker = DecodeWorker(tiny_model, store, max_running=1000, step_config=EAGER)
         base = _request(tiny_model, "base", prompt, max_tokens)
         nb = geo.blocks_for(base.reserve_tokens)
         assert nb == 4
@@ -78,7 +79,7 @@ def test_admission_counts_match_footprint(tiny_model):
 
 def test_request_that_can_never_fit_is_an_error(tiny_model):
     store = TieredStore(tiny_model.cfg, TierConfig(offload=False, device_budget_bytes=2 * 2**20))
-    worker = DecodeWorker(tiny_model, store)
+    worker = DecodeWorker(tiny_model, store, step_config=EAGER)
     req = _request(tiny_model, "huge", 50, 100_000)
     with pytest.raises(NeverFitsError, match="raise --device-budget"):
         worker.submit(req)
@@ -95,7 +96,7 @@ def test_budget_too_small_is_explained(tiny_model):
 def test_abort_returns_both_tiers(tiny_model):
     store = TieredStore(tiny_model.cfg, TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=3 * 2**20,
                                                    host_pool_bytes=8 * 2**20))
-    worker = DecodeWorker(tiny_model, store, max_running=2)
+    worker = DecodeWorker(tiny_model, store, max_running=2, step_config=EAGER)
     for i in range(4):
         worker.submit(_request(tiny_model, f"a{i}", 300 + 10 * i, 200, seed=i))
     for _ in range(30):
@@ -119,7 +120,7 @@ def test_abort_returns_both_tiers(tiny_model):
 def test_integrity_check_catches_corruption(tiny_model):
     store = TieredStore(tiny_model.cfg, TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=3 * 2**20,
                                                    host_pool_bytes=8 * 2**20))
-    worker = DecodeWorker(tiny_model, store)
+    worker = DecodeWorker(tiny_model, store, step_config=EAGER)
     worker.submit(_request(tiny_model, "x", 200, 50))
     for _ in range(10):
         worker.step()
@@ -144,7 +145,7 @@ def test_integrity_check_catches_corruption(tiny_model):
 def test_worker_checks_integrity_when_it_goes_idle(tiny_model):
     store = TieredStore(tiny_model.cfg, TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=3 * 2**20,
                                                    host_pool_bytes=8 * 2**20))
-    worker = DecodeWorker(tiny_model, store)
+    worker = DecodeWorker(tiny_model, store, step_config=EAGER)
     worker.submit(_request(tiny_model, "i", 100, 6))
     while worker.has_work():
         assert worker.integrity_checks == 0
