@@ -14,6 +14,7 @@ import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from cachetier.batch import INDEX, MAIN, DecodeKV, LayoutBatch
@@ -27,6 +28,7 @@ from core import device as devices
 from core.config import ModelConfig
 from core.roles import TierConfig
 from core.types import NeverFitsError
+from kernels.host_write import write_rows
 from kernels.resolve_ref import EVICTIONS, HITS, MISSES
 
 log = logging.getLogger(__name__)
@@ -85,12 +87,18 @@ class KVStore(ABC):
         """A view of exactly these requests (one row each) for one eagerly run step."""
 
     def step_view(
-        self, request_ids: list[str], num_rows: int, num_blocks: int | None = None, tokens: list[int] | None = None
+        self, request_ids: list[str], num_rows: int, num_blocks: int | None = None, tokens: list[int] | None = None,
+        min_blocks: int = 1, private: bool = False,
     ) -> DecodeKV | None:
         """The persistent view of a fixed-shape step (`num_rows` rows, `num_blocks` context blocks, or the
-        bucket these requests need), loaded with these requests and their input tokens; None if this
-        store cannot run one."""
+        bucket these requests need but at least `min_blocks`), loaded with these requests and their input
+        tokens; None if this store cannot run one. `private`: a new view nobody else holds (a background
+        compiler runs scratch steps on it while the step thread uses the persistent ones)."""
         return None
+
+    def bucket_blocks(self, request_ids: list[str]) -> int:
+        """The block-table width (context bucket) a fixed-shape step over these requests needs."""
+        raise NotImplementedError(f"{type(self).__name__} runs no fixed-shape steps")
 
     @abstractmethod
     def check_integrity(self) -> None:
@@ -159,8 +167,13 @@ class Resident:
     host_blocks: list[int]
     num_tokens: int
     reserve_tokens: int
+    blocks_np: np.ndarray = field(repr=False, default=None)
+    """`blocks` as int64 (host): block tables are written from these, never from Python lists."""
+    host_blocks_np: np.ndarray = field(repr=False, default=None)
     blocks_t: torch.Tensor = field(repr=False, default=None)
+    """`blocks` on the store's device; made by `fill` (the step thread), never by `reserve`."""
     host_blocks_t: torch.Tensor = field(repr=False, default=None)
+    """`host_blocks` on the host, made by `fill`."""
     filled: bool = False
     """False while the pages are only reserved (the layout has not arrived yet)."""
 
@@ -203,6 +216,8 @@ class TieredStore(KVStore):
         self.residents: dict[str, Resident] = {}
         self._alloc_lock = threading.Lock()  # reservations come from the actor's loop, frees from its step thread
         self._views: dict[tuple[int, int], TieredBatch] = {}
+        self._staging: torch.Tensor | None = None  # pinned (CUDA): layouts cross to the device through it
+        self._staged = None  # the CUDA event of the last copy out of it
         log.info("tier store: %s", g.describe())
 
     # arena views ---------------------------------------------------------------------------------
@@ -271,9 +286,10 @@ class TieredStore(KVStore):
                 return False
             group, blocks = self.pages.allocate(request_id, nb)
             host_blocks = self.host_alloc.allocate(request_id, nb) if self.host_alloc is not None else []
-            r = Resident(request_id, group, blocks, host_blocks, 0, reserve_tokens)
-            r.blocks_t = torch.tensor(blocks, dtype=torch.long, device=self.device)
-            r.host_blocks_t = torch.tensor(host_blocks or [0], dtype=torch.long)
+            # host bookkeeping only: a reservation comes from the actor's event loop, and every device
+            # operation of an actor runs on its step thread (`fill` makes the device tables)
+            r = Resident(request_id, group, blocks, host_blocks, 0, reserve_tokens,
+                         np.array(blocks, dtype=np.int64), np.array(host_blocks, dtype=np.int64))
             self.residents[request_id] = r
         return True
 
@@ -288,6 +304,8 @@ class TieredStore(KVStore):
         if layout.num_tokens + 1 > r.reserve_tokens:
             raise ValueError(f"the layout of {request_id} has {layout.num_tokens} tokens but only "
                              f"{r.reserve_tokens} were reserved")
+        r.blocks_t = torch.from_numpy(r.blocks_np).to(self.device, non_blocking=True)
+        r.host_blocks_t = torch.from_numpy(r.host_blocks_np if len(r.host_blocks_np) else np.zeros(1, np.int64))
         self._write_layout(r, layout)
         r.num_tokens = layout.num_tokens
         r.filled = True
@@ -311,32 +329,101 @@ class TieredStore(KVStore):
                              f"[{g.md}] {g.arena_dtype} rows (kv format {g.codec.format}): the formats differ")
 
     def _write_layout(self, r: Resident, layout: KVLayout) -> None:
-        g, dev = self.geo, self.device
+        """A layout's state, indexer keys and device-resident entries into the arena, its C4 entries into the host
+        pool (tier on). Everything bound for the device crosses in one copy through pinned memory (`_stage`);
+        C4 entries go to the host pool by whole host blocks."""
+        g = self.geo
         self._check_rows(layout)
         gb = self.group_base(r.group)
         sf = g.state_fields
-        self.put_field(gb, sf["swa"], torch.stack([lk.window for lk in layout.layers]).to(self.arena.dtype))  # [layers, window, row]
-        rows = None
+        dt = self.arena.dtype
+        # what goes to the device, in order: the window rings, then per layer its compressor parts, its
+        # indexer keys and its device entries (HCA; C4 with the tier off, the newest C4 entries with it on)
+        moves: list[torch.Tensor] = [torch.stack([lk.window for lk in layout.layers]).to(dt)]  # [layers, window, row]
+        writes: list[tuple[str, object]] = []
         for layer, lk in enumerate(layout.layers):
-            comps = [(MAIN, lk.compressor), (INDEX, lk.index_compressor)]
-            for name, st in comps:
+            for name, st in ((MAIN, lk.compressor), (INDEX, lk.index_compressor)):
                 if st is None:
                     continue
                 for part in ("kv", "score", "prev_kv", "prev_score"):
                     t = getattr(st, part)
-                    if t is None:
-                        continue
-                    self.put_field(gb, sf[f"{layer}.{name}.{part}"], g.state_to_arena(t))
+                    if t is not None:
+                        writes.append(("state", f"{layer}.{name}.{part}"))
+                        moves.append(g.state_to_arena(t))
             if lk.kind == "csa":
-                if rows is None:  # the index tensors every CSA layer of this request shares: made once
-                    rows = self._c4_rows(r, lk.num_entries)
-                self._write_c4(r, g.csa_index[layer], lk, rows)
+                writes.append(("keys", layer))
+                moves.append(lk.index_keys.to(dt))
+                if not g.offload:
+                    writes.append(("c4", layer))
+                    moves.append(lk.entries.to(dt))
+                elif g.reserved and lk.num_entries:
+                    writes.append(("ring", layer))
+                    moves.append(lk.entries[max(0, lk.num_entries - g.reserved):].to(dt))
             elif lk.kind == "hca":
-                j = g.hca_index[layer]
-                e = torch.arange(lk.num_entries, device=dev)
+                writes.append(("hca", layer))
+                moves.append(lk.entries.to(dt))
+        on_device = self._stage(moves)
+        self.put_field(gb, sf["swa"], on_device[0])
+        rows = None
+        for (what, key), t in zip(writes, on_device[1:]):
+            if what == "state":
+                self.put_field(gb, sf[key], t)
+                continue
+            lk = layout.layers[key]
+            if what == "hca":
+                j = g.hca_index[key]
+                e = torch.arange(lk.num_entries, device=self.device)
                 f = g.block_fields["hca"]
                 page = r.blocks_t[e // g.eh]
-                self.rows(g.md)[f.row(self.page_base(page), j * g.eh + e % g.eh)] = lk.entries.to(dev, self.arena.dtype)
+                self.rows(g.md)[f.row(self.page_base(page), j * g.eh + e % g.eh)] = t
+                continue
+            if rows is None:  # the index tensors every CSA layer of this request shares: made once
+                rows = self._c4_rows(r, lk.num_entries)
+            j = g.csa_index[key]
+            if what == "keys":
+                self.arena[rows["keys"] + j * g.e4 * g.block_fields["index_keys"].width] = t
+                if g.offload:
+                    self._write_c4_host(r, j, lk, rows)
+            elif what == "c4":
+                self.rows(g.md)[rows["c4"] + j * g.e4] = t
+            else:  # "ring": the newest entries also go into the ring of the hot buffer
+                slots = rows["slots"]
+                self.hot_view(j)[r.group, slots] = t
+                self.entry_map[j][rows["hot_rows"]] = rows["slots32"]
+                self.hot_entry_row[j][r.group, slots] = rows["hot_rows"]
+                self.bytes_h2d_admit += slots.numel() * g.main_bytes
+
+    def _stage(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """These tensors on the store's device. On CUDA the host ones are packed into one pinned staging buffer
+        and cross in one non-blocking copy (a pageable copy is synchronous and slow); the arena writes that
+        follow are device-to-device. On the CPU they already are where they go."""
+        if self.device.type != "cuda":
+            return tensors
+        host = [i for i, t in enumerate(tensors) if t.device.type == "cpu"]
+        if not host:
+            return tensors
+        spans, total = [], 0
+        for i in host:
+            n = tensors[i].numel() * tensors[i].element_size()
+            spans.append((i, total, n))
+            total += -(-n // 256) * 256
+        if self._staged is not None:
+            self._staged.synchronize()  # the previous layout's copy has left the staging buffer
+        if self._staging is None or self._staging.numel() < total:
+            grown = max(total, 2 * self._staging.numel()) if self._staging is not None else total
+            self._staging = torch.empty(grown, dtype=torch.uint8, pin_memory=True)
+        for i, off, n in spans:
+            if n:
+                self._staging[off : off + n].copy_(tensors[i].contiguous().view(-1).view(torch.uint8))
+        dev = torch.empty(total, dtype=torch.uint8, device=self.device)
+        dev.copy_(self._staging[:total], non_blocking=True)
+        self._staged = torch.cuda.Event()
+        self._staged.record()
+        out = list(tensors)
+        for i, off, n in spans:
+            t = tensors[i]
+            out[i] = dev[off : off + n].view(t.dtype).view(t.shape)
+        return out
 
     def _c4_rows(self, r: Resident, n: int) -> dict[str, torch.Tensor]:
         """Where a request's `n` C4 entries (and their indexer keys) go, for CSA layer 0; layer j is offset."""
@@ -348,36 +435,34 @@ class TieredStore(KVStore):
         if not g.offload:
             out["c4"] = g.block_fields["c4"].row(pb, e % g.e4)
             return out
-        out["host"] = self.host.rows(r.host_blocks_t, e.cpu())
         out["map"] = (r.blocks_t[:, None] * g.e4 + torch.arange(g.e4, device=dev)).flatten()
         if g.reserved and n:
             newest = e[max(0, n - g.reserved):]
-            out["newest_cpu"] = newest.cpu()
             out["slots"] = g.lru + newest % g.reserved
             out["hot_rows"] = block_rows(r.blocks_t, newest, g.e4)
             out["slots32"] = out["slots"].to(torch.int32)
         return out
 
-    def _write_c4(self, r: Resident, j: int, lk, rows: dict[str, torch.Tensor]) -> None:
-        """CSA layer j's indexer keys into the request's pages; its C4 entries into its pages (tier off) or into
-        the host pool, the newest `reserved` of them also into the ring of the hot buffer (tier on)."""
-        g, dt = self.geo, self.arena.dtype
-        self.arena[rows["keys"] + j * g.e4 * g.block_fields["index_keys"].width] = lk.index_keys.to(self.device, dt)
-        if not g.offload:
-            self.rows(g.md)[rows["c4"] + j * g.e4] = lk.entries.to(self.device, dt)
-            return
-        entries = lk.entries
-        self.host.kv[j, rows["host"]] = entries.to("cpu", self.host.kv.dtype)
-        # fresh bookkeeping: no entry of this request is resident, the LRU part is empty
+    def _write_c4_host(self, r: Resident, j: int, lk, rows: dict[str, torch.Tensor]) -> None:
+        """CSA layer j's C4 entries into the request's host blocks — whole blocks at a time (one `index_copy_` of
+        blocks, not one indexed row each) — and fresh bookkeeping: none of them is resident yet."""
+        g = self.geo
+        entries, n, e4 = lk.entries, lk.num_entries, g.e4
+        kv = self.host.kv[j]  # [host rows, row]
+        if entries.device != kv.device:  # written from the device (a prefill in this process, on its GPU)
+            e = torch.arange(n, device=entries.device)
+            write_rows(self.host.kv, j, self.host.rows(r.host_blocks_t.to(entries.device), e), entries)
+        else:
+            full = n // e4
+            if full:
+                blocks = kv.view(-1, e4, kv.shape[-1])  # [host blocks, e4, row]
+                blocks.index_copy_(0, r.host_blocks_t[:full], entries[: full * e4].reshape(full, e4, -1).to(kv.dtype))
+            if n > full * e4:
+                start = r.host_blocks[full] * e4
+                kv[start : start + n - full * e4] = entries[full * e4 :]
         self.entry_map[j][rows["map"]] = -1
         self.hot_entry_row[j][r.group] = -1
         self.hot_stamp[j][r.group] = -1
-        if "slots" in rows:
-            slots = rows["slots"]
-            self.hot_view(j)[r.group, slots] = entries[rows["newest_cpu"]].to(self.device, dt)
-            self.entry_map[j][rows["hot_rows"]] = rows["slots32"]
-            self.hot_entry_row[j][r.group, slots] = rows["hot_rows"]
-            self.bytes_h2d_admit += slots.numel() * g.main_bytes
 
     def free(self, request_id: str) -> None:
         with self._alloc_lock:
@@ -393,14 +478,21 @@ class TieredStore(KVStore):
     def batch(self, request_ids: list[str]) -> TieredBatch:
         return self.step_view(request_ids, len(request_ids))
 
+    def bucket_blocks(self, request_ids: list[str]) -> int:
+        return self.context_blocks(list(map(self.residents.__getitem__, request_ids)))
+
     def step_view(
-        self, request_ids: list[str], num_rows: int, num_blocks: int | None = None, tokens: list[int] | None = None
+        self, request_ids: list[str], num_rows: int, num_blocks: int | None = None, tokens: list[int] | None = None,
+        min_blocks: int = 1, private: bool = False,
     ) -> TieredBatch:
         res = list(map(self.residents.__getitem__, request_ids))
-        key = (num_rows, num_blocks or self.context_blocks(res))
-        if key not in self._views:  # its buffers stay, so a graph captured on them replays with each step's contents
-            self._views[key] = TieredBatch(self, *key)
-        view = self._views[key]
+        key = (num_rows, num_blocks or max(min_blocks, self.context_blocks(res)))
+        if private:
+            view = TieredBatch(self, *key)
+        else:
+            if key not in self._views:  # its buffers stay, so a graph captured on them replays with each step's contents
+                self._views[key] = TieredBatch(self, *key)
+            view = self._views[key]
         view.load(res, tokens)
         return view
 
@@ -437,7 +529,12 @@ class TieredStore(KVStore):
     # integrity -----------------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """free + used == total on both tiers, ownership matches, every hot slot holds a live entry."""
+        """free + used == total on both tiers, ownership matches, every hot slot holds a live entry. Holds the
+        allocation lock throughout: a reservation from the actor's event loop is never seen half made."""
+        with self._alloc_lock:
+            self._check_integrity()
+
+    def _check_integrity(self) -> None:
         g = self.geo
 
         def fail(msg: str) -> None:
@@ -467,6 +564,8 @@ class TieredStore(KVStore):
         for r in self.residents.values():
             if any(self.host_alloc.owner[b] != r.request_id for b in r.host_blocks):
                 fail(f"{r.request_id}: a host block it holds is owned by someone else")
+            if not r.filled:
+                continue  # reserved only: nothing of it is written yet
             n = r.num_tokens // self.cfg.csa_rate
             e = torch.arange(n, device=self.device)
             rows = block_rows(r.blocks_t, e, g.e4)

@@ -29,8 +29,9 @@ import time
 
 import ray
 
-from cachetier.layout import layout_format, unpack_layout
+from cachetier.layout import layout_format
 from cachetier.store import IntegrityError
+from cluster.prefill_actor import describe_worker
 from cluster.protocol import Handoff, Outbox, Report, RequestGone, StepMessage
 from cluster.replica import ReplicaRank
 from cluster.steploop import StepThread, on_thread
@@ -46,23 +47,12 @@ class DecodeActor(ReplicaRank):
                  eos_ids: tuple[int, ...] | None = None, deadlines: DeadlineConfig | None = None,
                  faults: FaultConfig | None = None, stub: StubConfig | None = None, weights: str = "packed",
                  step: StepConfig | None = None, kv_format: str = "auto", layout: str | None = None,
-                 rank: int = 0) -> None:
-        from cachetier.store import TieredStore
-        from cluster.prefill_actor import load_model_for_actor
-        from decode.worker import DecodeWorker
-
+                 rank: int = 0, dtype: str = "auto") -> None:
         shard = self._init_rank(layout, rank)
         if self.layout is not None and stub is not None:
             raise HisparseError("a stand-in step (--stub-step-ms) runs no model, so it cannot be split over a replica")
-        model = load_model_for_actor(model_spec, num_threads, stub, weights, kv_format, shard=shard)
-        self.model = model
         self.name = name
         self.deadlines = deadlines or DeadlineConfig()
-        self.store = TieredStore(model.cfg, tier, dtype=model.dtype, device=model.device)
-        # a stand-in step writes no KV, so the idle check of what is stored would not hold
-        self.worker = DecodeWorker(model, self.store, max_running=tier.max_running, eos_ids=eos_ids, faults=faults,
-                                   check_when_idle=stub is None, step_config=step)
-        self.format = layout_format(model.cfg, model.dtype)
         self.outboxes: dict[str, Outbox] = {}
         self.waiters: dict[str, asyncio.Event] = {}
         self.last_poll: dict[str, float] = {}
@@ -76,8 +66,23 @@ class DecodeActor(ReplicaRank):
         self._sweeper: asyncio.Task | None = None
         self._pending: list[tuple[list, list]] = []
         """Output of finished steps not yet handed to the event loop (step thread only; see `_hand_on`)."""
-        self.worker.before_forward = self._hand_on
-        self.thread = StepThread(f"decode-{name}", self._has_work, self._step, self._tick)
+
+        def build() -> None:  # on the step thread: the model, the store and the warm-up are all device work
+            from cachetier.store import TieredStore
+            from cluster.prefill_actor import load_model_for_actor
+            from decode.worker import DecodeWorker
+
+            model = load_model_for_actor(model_spec, num_threads, stub, weights, kv_format, shard=shard, dtype=dtype)
+            self.model = model
+            self.store = TieredStore(model.cfg, tier, dtype=model.dtype, device=model.device)
+            # a stand-in step writes no KV, so the idle check of what is stored would not hold
+            self.worker = DecodeWorker(model, self.store, max_running=tier.max_running, eos_ids=eos_ids, faults=faults,
+                                       check_when_idle=stub is None, step_config=step)
+            self.worker.before_forward = self._hand_on
+            self.format = layout_format(model.cfg, model.dtype)
+
+        self.thread = StepThread(f"decode-{name}", self._has_work, self._step, self._tick, idle=self._idle, setup=build)
+        log.info("decode actor %s: %s", name, describe_worker(self.model, self.worker.runner.mode))
 
     # the step thread -----------------------------------------------------------------------------
 
@@ -135,6 +140,9 @@ class DecodeActor(ReplicaRank):
     def _tick(self) -> None:
         self._stats = self._full_stats()
 
+    def _idle(self) -> bool:
+        return self.worker.idle_work()
+
     def _full_stats(self) -> dict:
         """Worker, tier and actor numbers (step thread only)."""
         st = self.worker.stats()
@@ -151,7 +159,8 @@ class DecodeActor(ReplicaRank):
         if self._sweeper is None:
             self._sweeper = self.loop.create_task(self._sweep_subscribers())
         info = {"name": self.name, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-                "geometry": self.store.geo.describe(), "max_running": self.worker.max_running, "layout_format": self.format}
+                "geometry": self.store.geo.describe(), "max_running": self.worker.max_running, "layout_format": self.format,
+                "describe": describe_worker(self.model, self.worker.runner.mode)}
         info.update(self._rank_info())
         return info
 
@@ -181,9 +190,10 @@ class DecodeActor(ReplicaRank):
                                 f"{self.format!r}; prefill and decode must serve the same model and dtype")
         if packed.tensor_bytes != h.layout_bytes:
             raise HisparseError(f"layout of {h.request_id} arrived with {packed.tensor_bytes} bytes, {h.layout_bytes} were sent")
-        layout = unpack_layout(packed)
-        req = DecodeRequest(h.request_id, layout, h.first_token, h.sampling, h.seed, h.num_generated,
-                            owner=h.owner, solo=h.solo, fault=h.fault)
+        # unpacked on the step thread when it is written: this loop touches no tensor (a layout moved by a
+        # tensor transport lives on the device, and every device operation runs on the step thread)
+        req = DecodeRequest(h.request_id, None, h.first_token, h.sampling, h.seed, h.num_generated,
+                            owner=h.owner, solo=h.solo, fault=h.fault, packed=packed)
         if not self.worker.arrive(req):
             raise RequestGone(f"decode actor {self.name} no longer holds pages for {h.request_id} (aborted, or its "
                               f"reservation lapsed after {self.deadlines.reservation_lease_s:.0f} s)")

@@ -30,7 +30,9 @@ ACTOR_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
 def load_model_for_actor(model_spec: str, num_threads: int, stub: StubConfig | None = None, weights: str = "packed",
-                         kv_format: str = "auto", shard=None):
+                         kv_format: str = "auto", shard=None, dtype: str = "auto"):
+    """The actor's model, on the device this actor was given (Ray shows an actor only the GPUs it reserved:
+    CUDA when present) in the serving dtype (`core.device.serving_dtype`)."""
     import torch
 
     from core import device
@@ -39,8 +41,10 @@ def load_model_for_actor(model_spec: str, num_threads: int, stub: StubConfig | N
     from model.loader import load_model
 
     torch.set_num_threads(max(1, num_threads))
-    # the device this actor was given (Ray shows an actor only the GPUs it reserved): CUDA when present
-    model = load_model(resolve_model_dir(model_spec), device=device.current().torch_device, weights=weights,
+    dev = device.current()
+    dt = device.serving_dtype(dtype, dev.kind)
+    device.configure_math(dev.kind)
+    model = load_model(resolve_model_dir(model_spec), dtype=dt, device=dev.torch_device, weights=weights,
                        kv_format=kv_format, shard=shard or WHOLE)
     if stub is not None:
         from model.stub import StubModel
@@ -49,20 +53,27 @@ def load_model_for_actor(model_spec: str, num_threads: int, stub: StubConfig | N
     return model
 
 
+def describe_worker(model, decode_mode: str | None = None) -> str:
+    """What the start-up log says of an actor: device, dtype, KV format (and how it decodes)."""
+    import torch
+
+    dev = model.device
+    name = f"{dev}" if dev.type != "cuda" else f"{dev} ({torch.cuda.get_device_name(dev)})"
+    out = f"{name}, {str(model.dtype).removeprefix('torch.')}, kv {model.cfg.kv_format}"
+    return out + (f", decode {decode_mode}" if decode_mode is not None else "")
+
+
 class PrefillActor(ReplicaRank):
     def __init__(self, model_spec: str, config: PrefillConfig, name: str, num_threads: int = 1,
                  eos_ids: tuple[int, ...] | None = None, deadlines: DeadlineConfig | None = None,
                  transport: str = "object_store", faults: FaultConfig | None = None, stub: StubConfig | None = None,
-                 weights: str = "packed", kv_format: str = "auto", layout: str | None = None, rank: int = 0) -> None:
+                 weights: str = "packed", kv_format: str = "auto", layout: str | None = None, rank: int = 0,
+                 dtype: str = "auto") -> None:
         import dataclasses
-
-        from prefill.worker import PrefillWorker
 
         shard = self._init_rank(layout, rank)
         if self.layout is not None and stub is not None:
             raise HisparseError("a stand-in prefill (--stub-prefill-ms) runs no model, so it cannot be split over a replica")
-        model = load_model_for_actor(model_spec, num_threads, stub, weights, kv_format, shard=shard)
-        self.model = model
         pc = config.prefix_cache
         if pc.disk_enabled:  # one directory per actor: two actors never write the same files
             config = dataclasses.replace(config, prefix_cache=dataclasses.replace(
@@ -72,15 +83,22 @@ class PrefillActor(ReplicaRank):
         self.deadlines = deadlines or DeadlineConfig()
         self.transport = transport
         self.faults = faults or FaultConfig()
-        self.worker = PrefillWorker(model, config, eos_ids=eos_ids)
-        self.format = layout_format(model.cfg, model.dtype)
         self.futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self.in_handoff: dict[str, int] = {}
         self.exports: dict[str, tuple[object, float]] = {}  # direct tensor transports: layouts waiting to be moved
         self.handoffs = 0
         self.bytes_sent = 0
         self._snapshot = {"queued_tokens": 0, "pending": 0, "tokens_in": 0, "progress": {}, "prefix_cache": None}
-        self.thread = StepThread(f"prefill-{name}", self._has_work, self._step)
+
+        def build() -> None:  # on the step thread, which does all of this actor's device work
+            from prefill.worker import PrefillWorker
+
+            self.model = load_model_for_actor(model_spec, num_threads, stub, weights, kv_format, shard=shard, dtype=dtype)
+            self.worker = PrefillWorker(self.model, config, eos_ids=eos_ids)
+            self.format = layout_format(self.model.cfg, self.model.dtype)
+
+        self.thread = StepThread(f"prefill-{name}", self._has_work, self._step, setup=build)
+        log.info("prefill actor %s: %s", name, describe_worker(self.model))
 
     def _step(self) -> None:
         results = self._run_step(self.worker.step)
@@ -123,7 +141,8 @@ class PrefillActor(ReplicaRank):
         await self._joined.wait()  # a replica rank serves only once its replica is whole
         cache = self.worker.prefix_cache
         return {"name": self.name, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-                "layout_format": self.format, "prefix_page_tokens": cache.page if cache is not None else None,
+                "layout_format": self.format, "describe": describe_worker(self.model),
+                "prefix_page_tokens": cache.page if cache is not None else None,
                 "prefix_affinity_slack": self.config.prefix_cache.affinity_slack_tokens,
                 "prefix_pages": cache.held_pages() if cache is not None else [], **self._rank_info()}
 

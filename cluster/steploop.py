@@ -24,17 +24,28 @@ log = logging.getLogger(__name__)
 
 
 class StepThread:
-    """Runs `step()` whenever `has_work()`; runs commands between steps; `tick()` about once a second."""
+    """Runs `step()` whenever `has_work()`; runs commands between steps; `tick()` about once a second;
+    `idle()` when there is nothing else to do (it returns whether it did something).
+
+    `setup()`, if given, runs first on the thread and the constructor waits for it (re-raising what it
+    raised): an actor builds its model, store and worker there, so that every device operation of the
+    actor, from the first allocation on, happens on this one thread."""
 
     def __init__(self, name: str, has_work: Callable[[], bool], step: Callable[[], None],
-                 tick: Callable[[], None] | None = None) -> None:
+                 tick: Callable[[], None] | None = None, idle: Callable[[], bool] | None = None,
+                 setup: Callable[[], None] | None = None) -> None:
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.wake = threading.Event()
-        self._has_work, self._step, self._tick = has_work, step, tick
+        self._has_work, self._step, self._tick, self._idle = has_work, step, tick, idle
         self.busy_since: float | None = None
         self._last_tick = time.monotonic()  # the first tick comes a second in, once the owner has finished building
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._setup, self._setup_error = setup, None
+        built = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(built,), name=name, daemon=True)
         self.thread.start()
+        built.wait()
+        if self._setup_error is not None:
+            raise self._setup_error
 
     def call(self, fn: Callable[[], Any]) -> None:
         self.commands.put(fn)
@@ -52,7 +63,16 @@ class StepThread:
         finally:
             self.busy_since = None
 
-    def _run(self) -> None:
+    def _run(self, built: threading.Event) -> None:
+        try:
+            if self._setup is not None:
+                self._setup()
+        except BaseException as e:  # the constructor re-raises it; the thread has nothing to run
+            self._setup_error = e
+            built.set()
+            return
+        built.set()
+        self._last_tick = time.monotonic()
         while True:
             while True:
                 try:
@@ -76,6 +96,14 @@ class StepThread:
                 except Exception:
                     log.exception("step failed")
                 continue
+            if self._idle is not None and self.commands.empty():
+                did: list[bool] = []
+                try:
+                    self._busy(lambda did=did: did.append(self._idle()))
+                except Exception:
+                    log.exception("idle work of the step thread failed")
+                if did and did[0]:
+                    continue
             self.wake.wait(timeout=1.0)
             self.wake.clear()
 

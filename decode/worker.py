@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cachetier.layout import KVLayout
+from cachetier.layout import KVLayout, PackedLayout, unpack_layout
 from cachetier.store import KVStore
 from core.roles import FaultConfig, StepConfig
 from core.types import SampledToken, SamplingParams, StepTokens, TokenEvent, finish_reason
@@ -51,7 +51,8 @@ class DecodeRequest:
     """A prefilled request handed to decode."""
 
     request_id: str
-    layout: KVLayout
+    layout: KVLayout | None
+    """The prefilled layout; None while it is still `packed` (it is unpacked on the step thread, when written)."""
     first_token: SampledToken
     """The last token generated so far: the next step's input (the first token for a fresh request)."""
     sampling: SamplingParams
@@ -64,10 +65,19 @@ class DecodeRequest:
     """Decode in a step of its own (the request failed a step before)."""
     fault: str | None = None
     """An injected fault this request carries (`poison` or `hang`; chaos tests only)."""
+    packed: PackedLayout | None = None
+    """The layout as it arrived (one buffer), when `layout` is not unpacked yet."""
 
     @property
     def reserve_tokens(self) -> int:
-        return self.layout.num_tokens + self.sampling.max_tokens - self.num_generated + 1
+        num_tokens = self.layout.num_tokens if self.layout is not None else self.packed.num_tokens
+        return num_tokens + self.sampling.max_tokens - self.num_generated + 1
+
+    def unpacked(self) -> KVLayout:
+        """The layout (unpacked from `packed` on first use: step thread only)."""
+        if self.layout is None:
+            self.layout, self.packed = unpack_layout(self.packed), None
+        return self.layout
 
 
 @dataclass
@@ -254,7 +264,7 @@ class DecodeWorker:
             if res is None:
                 continue  # aborted while its layout was on the way
             try:
-                self.store.fill(req.request_id, req.layout)
+                self.store.fill(req.request_id, req.unpacked())
             except Exception as e:
                 log.exception("writing the layout of %s failed", req.request_id)
                 self.store.free(req.request_id)
@@ -400,6 +410,15 @@ class DecodeWorker:
     def check_integrity(self) -> None:
         self.store.check_integrity()
         self.integrity_checks += 1
+
+    def idle_work(self) -> bool:
+        """Work for a step thread with nothing to decode (capturing a bucket a step found uncaptured); True if
+        it did some. Nothing here ever runs while a request waits on a step."""
+        return self.runner is not None and not self.has_work() and self.runner.idle_work()
+
+    def close(self) -> None:
+        """Release what the store holds outside Python's reach (pinned host memory)."""
+        self.store.close()
 
     def stats(self) -> dict:
         out = {"running": len(self.running), "waiting": len(self.waiting) + len(self.arrivals), "reserved": len(self.reserved),
