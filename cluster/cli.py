@@ -49,6 +49,11 @@ def _bytes(s: str) -> int:
 
 
 def _add_weights(p: argparse.ArgumentParser) -> None:
+    from core.device import DTYPES
+
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="what the model computes in and stores bf16-format KV as: auto (default) is bfloat16 on a GPU "
+                        "and float32 on the CPU")
     p.add_argument("--weights", choices=["packed", "dequantize"], default="packed",
                    help="quantized checkpoints: keep FP8/FP4 weights packed and compute on them (default), or "
                         "dequantize them at load")
@@ -58,7 +63,7 @@ def _add_weights(p: argparse.ArgumentParser) -> None:
                         "the checkpoint was trained for (v4 for DeepSeek-V4 checkpoints, bf16 for the built-in model)")
 
 
-def _add_tier(p: argparse.ArgumentParser) -> None:
+def _add_tier(p: argparse.ArgumentParser, decode_mode: str = "auto") -> None:
     t = p.add_argument_group("KV tier (decode side)")
     t.add_argument("--offload", type=_on_off, default=True, metavar="on|off",
                    help="keep C4 entries in host memory with a device hot buffer (default on)")
@@ -71,10 +76,10 @@ def _add_tier(p: argparse.ArgumentParser) -> None:
                    help="host bytes for the C4 pool (default 8 x the device budget)")
     t.add_argument("--block-tokens", type=int, default=None, help="tokens per classical KV block")
     t.add_argument("--max-running", type=int, default=64, help="most requests decoding at once per decode worker")
-    t.add_argument("--decode-mode", choices=DECODE_MODES, default="auto",
-                   help="auto (default): compiled on CUDA, eager on CPU; compiled: fixed-shape steps per batch bucket, "
-                        "CUDA graphs on GPU, torch.compile on CPU (a minute or more the first time, cached on disk); "
-                        "eager: op by op")
+    t.add_argument("--decode-mode", choices=DECODE_MODES, default=decode_mode,
+                   help=f"compiled: fixed-shape steps per batch bucket, CUDA graphs on a GPU, torch.compile on the CPU, "
+                        f"made before the server is ready (on a CPU minutes the first time, seconds from Inductor's "
+                        f"on-disk cache); eager: op by op; auto: compiled where the model allows it (default {decode_mode})")
     t.add_argument("--compile-backend", choices=COMPILE_BACKENDS, default="inductor",
                    help="with --decode-mode compiled on CPU: inductor (fused C++) or eager (capture only)")
     t.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
@@ -144,6 +149,7 @@ def serve_config(args: argparse.Namespace):
         model=args.model,
         weights=args.weights,
         kv_format=args.kv_format,
+        dtype=args.dtype,
         tier=tier_config(args),
         step=step_config(args),
         prefill=PrefillConfig(max_batch_tokens=args.max_batch_tokens, entry_tile=args.entry_tile,
@@ -187,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     _add_weights(g)
     _add_sampling(g)
-    _add_tier(g)
+    _add_tier(g, decode_mode="eager")  # one generation does not pay for compiling a step it runs a few times
 
     s = sub.add_parser("serve", help="start the cluster and the OpenAI-compatible HTTP server")
     s.add_argument("--model", default="tiny", help="`tiny` (built-in) or a model directory")
@@ -243,8 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "over all ranks); a replica's ranks are placed on one node. See docs/parallel.md")
     c.add_argument("--prefill-num-cpus", type=float, default=1.0)
     c.add_argument("--decode-num-cpus", type=float, default=1.0)
-    c.add_argument("--prefill-num-gpus", type=float, default=0.0)
-    c.add_argument("--decode-num-gpus", type=float, default=0.0)
+    c.add_argument("--prefill-num-gpus", type=float, default=None,
+                   help="GPUs each prefill actor reserves (default: 1 where the cluster has GPUs, else 0)")
+    c.add_argument("--decode-num-gpus", type=float, default=None,
+                   help="GPUs each decode actor reserves (default: 1 where the cluster has GPUs, else 0)")
     c.add_argument("--placement", choices=["resources", "any"], default=None,
                    help="resources: actors need the node resources hisparse_prefill / hisparse_decode "
                         "(default when joining a cluster); any: anywhere (default for the embedded instance)")
@@ -317,8 +325,13 @@ def _generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"hisparse generate: {e}", file=sys.stderr)
         return 2
+    from core import device
+
     model_dir = resolve_model_dir(args.model)
-    model = load_model(model_dir, weights=args.weights, kv_format=args.kv_format)
+    dev = device.current()
+    device.configure_math(dev.kind)
+    model = load_model(model_dir, dtype=device.serving_dtype(args.dtype, dev.kind), device=dev.torch_device,
+                       weights=args.weights, kv_format=args.kv_format)
     tok = load_tokenizer(model_dir)
     if args.prompt is not None:
         if tok is None:
@@ -335,6 +348,9 @@ def _generate(args: argparse.Namespace) -> int:
     eos_ids = end_of_sequence_ids(model_dir, model.cfg, tok.eos_token_ids if tok is not None else ())
     try:
         engine = InProcessEngine(model, tier, eos_ids=eos_ids, step=step)
+        from cluster.prefill_actor import describe_worker
+
+        logging.getLogger("hisparse.generate").info("generating on %s", describe_worker(model, engine.decode.runner.mode))
         done = engine.generate([GenerateRequest("generate-0", tuple(prompt_ids), params)])["generate-0"]
     except Exception as e:  # configuration and admission errors carry their remedy in the message
         from core.types import HisparseError
@@ -354,7 +370,8 @@ def _generate(args: argparse.Namespace) -> int:
                         device_budget_bytes=tier.device_budget_bytes)
         print(json.dumps({"prompt_token_ids": list(prompt_ids), "token_ids": ids, "text": text,
                           "finish_reason": done.finish_reason, "tier": tier_out, **tier_out,
-                          "decode_step": stats.get("step")}))
+                          "decode_step": stats.get("step"), "device": str(model.device),
+                          "dtype": str(model.dtype).removeprefix("torch."), "kv_format": model.cfg.kv_format}))
     else:
         print(text if text is not None else " ".join(map(str, ids)))
     return 0

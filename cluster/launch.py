@@ -12,8 +12,10 @@ With placement `resources` each actor requires one unit of its role's resource, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -56,6 +58,12 @@ then reaches the decode actor in one message: the handoff's median fell from 12-
 `ray start`, set RAY_max_direct_call_object_size on every node to the same effect (docs/serving.md)."""
 
 
+READY_TIMEOUT_S = 1800.0
+"""How long `create_actors` waits for every actor to load its model and warm its step up: a decode actor
+compiling its CPU step from an empty Inductor cache takes minutes (seconds from the cache)."""
+READY_PROGRESS_S = 30.0
+
+
 def gcs_address() -> str:
     """The address other processes join this process's Ray instance at."""
     return ray.get_runtime_context().gcs_address
@@ -83,9 +91,26 @@ class Actors:
     """Rebuilds decode replicas whose ranks die (only when this process created replicas)."""
 
 
+def resolve_gpus(cfg: ClusterConfig) -> ClusterConfig:
+    """`cfg` with the GPUs each actor reserves filled in from the cluster Ray is connected to
+    (`ClusterConfig.gpus_per_actor`); a GPU cluster whose actors were asked to take none is logged as a choice."""
+    cluster_gpus = float(ray.cluster_resources().get("GPU", 0))
+    prefill, decode = cfg.gpus_per_actor(cluster_gpus)
+    if cluster_gpus and not (prefill and decode):
+        log.warning("the cluster has %g GPU(s) but %s actors reserve none (asked: --prefill-num-gpus %g "
+                    "--decode-num-gpus %g): those run on the CPU", cluster_gpus,
+                    "prefill and decode" if not (prefill or decode) else "prefill" if not prefill else "decode",
+                    prefill, decode)
+    elif not cluster_gpus:
+        log.info("the cluster has no GPU: every actor runs on the CPU")
+    return dataclasses.replace(cfg, prefill_num_gpus=prefill, decode_num_gpus=decode)
+
+
 def _options(role: str, cfg: ClusterConfig, name: str) -> dict:
     cpus = cfg.prefill_num_cpus if role == ROLE_PREFILL else cfg.decode_num_cpus
     gpus = cfg.prefill_num_gpus if role == ROLE_PREFILL else cfg.decode_num_gpus
+    if gpus is None:
+        raise ValueError("GPUs per actor are decided once Ray runs: pass the config through resolve_gpus first")
     opts = {"num_cpus": cpus, "num_gpus": gpus, "max_restarts": cfg.max_restarts, "max_task_retries": 0,
             "max_concurrency": 1000, "name": name, "namespace": NAMESPACE, "lifetime": None}
     if cfg.placement == "resources":
@@ -111,9 +136,9 @@ def actor_names(cfg: ServeConfig, prefix: str) -> tuple[list[str], list[str]]:
 
 
 def create_actors(model: str, cfg: ServeConfig, eos_ids: tuple[int, ...], prefix: str = "hisparse",
-                  timeout_s: float = 300) -> Actors:
+                  timeout_s: float = READY_TIMEOUT_S) -> Actors:
     """Create and wait for the actors; raises with the reason when they cannot be placed in time."""
-    cluster = cfg.cluster
+    cluster = resolve_gpus(cfg.cluster)
     if cluster.transport not in TRANSPORTS:
         raise ValueError(f"unknown transport {cluster.transport!r}; choose one of {TRANSPORTS}")
     direct = cluster.transport != "object_store"
@@ -137,7 +162,7 @@ def create_actors(model: str, cfg: ServeConfig, eos_ids: tuple[int, ...], prefix
     )
     replicas, builders = {}, {}
     for role, word, cls, args_for, count, layout_text, cpus, gpus, handles in roles:
-        kwargs = {"kv_format": cfg.kv_format}
+        kwargs = {"kv_format": cfg.kv_format, "dtype": cfg.dtype}
         if ParallelLayout.parse(layout_text).single:
             for name in _role_names(prefix, word, count, layout_text):
                 handles.append(cls.options(**_options(role, cluster, name)).remote(*args_for(name), **kwargs))
@@ -164,11 +189,11 @@ def create_actors(model: str, cfg: ServeConfig, eos_ids: tuple[int, ...], prefix
         create_collective_group(out.prefill + out.decode, backend=COLLECTIVE_TRANSPORTS[cluster.transport])
         log.info("layouts move over %s between %d actors", cluster.transport, len(out.prefill) + len(out.decode))
     for info in out.prefill_info + out.decode_info:
-        log.info("actor %s up on node %s (pid %s)", info["name"], info["node_id"][:12], info["pid"])
+        log.info("actor %s up on node %s (pid %s): %s", info["name"], info["node_id"][:12], info["pid"], info["describe"])
     return out
 
 
-def lookup_actors(cfg: ServeConfig, prefix: str = "hisparse", timeout_s: float = 300) -> Actors:
+def lookup_actors(cfg: ServeConfig, prefix: str = "hisparse", timeout_s: float = READY_TIMEOUT_S) -> Actors:
     """Handles of actors another process created (gateway worker processes share them)."""
     pnames, dnames = actor_names(cfg, prefix)
     out = Actors(prefill=[ray.get_actor(n, namespace=NAMESPACE) for n in pnames],
@@ -179,7 +204,18 @@ def lookup_actors(cfg: ServeConfig, prefix: str = "hisparse", timeout_s: float =
 
 def _wait_ready(out: Actors, cluster: ClusterConfig, timeout_s: float) -> None:
     pending = [a.ready.remote() for a in out.prefill + out.decode]
-    ready, not_ready = ray.wait(pending, num_returns=len(pending), timeout=timeout_s)
+    t0 = time.monotonic()
+    not_ready = pending
+    while not_ready:
+        left = timeout_s - (time.monotonic() - t0)
+        if left <= 0:
+            break
+        _, not_ready = ray.wait(pending, num_returns=len(pending), timeout=min(READY_PROGRESS_S, left))
+        if not_ready and time.monotonic() - t0 < timeout_s:
+            log.info("waiting for %d of %d actors to start (%.0f s so far): loading the model and warming the "
+                     "decode step up (compiling it on a CPU takes minutes the first time, seconds from Inductor's "
+                     "cache); an actor that cannot be placed shows in `ray status`",
+                     len(not_ready), len(pending), time.monotonic() - t0)
     if not_ready:
         raise TimeoutError(
             f"{len(not_ready)} of {len(pending)} actors did not start within {timeout_s:.0f} s; with placement "

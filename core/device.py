@@ -49,3 +49,29 @@ def _detect(forced: str | None) -> DeviceInfo:
 def current() -> DeviceInfo:
     """The device this process computes on (cached; reads `HISPARSE_DEVICE` once per value)."""
     return _detect(os.environ.get("HISPARSE_DEVICE") or None)
+
+
+DTYPES = ("auto", "bfloat16", "float32")
+"""Serving dtypes (`--dtype`): what the model computes in and stores unquantized KV rows as."""
+
+
+def serving_dtype(name: str = "auto", kind: str | None = None):
+    """The torch dtype of `--dtype name` on a device of this kind: `auto` is bf16 on CUDA (tensor cores, the
+    packed FP8/FP4 kernels' bf16 path, half the KV bytes) and fp32 on the CPU (where bf16 arithmetic is slower)."""
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {DTYPES}")
+    if name == "auto":
+        return torch.bfloat16 if (kind or current().kind) == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def configure_math(kind: str | None = None) -> None:
+    """Process-wide math settings for serving on this device: on CUDA, fp32 matmuls may use TF32 tensor
+    cores (what is left in fp32 in a bf16 model — the indexer's scores, the router — and an fp32 model)."""
+    import torch
+
+    if (kind or current().kind) == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True

@@ -24,12 +24,12 @@ SERVING_SETS = (
     "serve.maxSequencesPerRequest=8", "serve.maxBodyBytes=1MiB", "serve.streamInterval=4", "gateway.apiWorkers=3",
     "serve.queueTimeoutSeconds=12.5", "serve.maxQueuedRequests=77", "serve.prefillTimeoutSeconds=900",
     "serve.handoffTimeoutSeconds=45", "serve.tokenTimeoutSeconds=7.5", "serve.maxRequestRetries=0",
-    "serve.subscriberTimeoutSeconds=2.5", "serve.stepHangSeconds=300",
+    "serve.subscriberTimeoutSeconds=2.5", "serve.stepHangSeconds=300", "serve.dtype=bfloat16",
 )
 
 
 def _assert_serving_values(cfg):
-    assert (cfg.model, cfg.server.served_model_name) == ("/models/dsv4", "dsv4-chat")
+    assert (cfg.model, cfg.server.served_model_name, cfg.dtype) == ("/models/dsv4", "dsv4-chat", "bfloat16")
     t = cfg.tier
     assert (t.offload, t.hot_buffer_slots, t.reserved_slots, t.max_running, t.block_tokens) == (False, 96, 4, 32, 512)
     assert (t.device_budget_bytes, t.host_pool_bytes) == (40 * GiB, 2_500_000_000)
@@ -69,7 +69,7 @@ def test_default_values_are_hisparse_defaults(helm):
     own = serve_config(build_parser().parse_args(["serve"]))
     default = parse_serve(serve_args(helm.render()))
     assert default.deadlines == own.deadlines
-    assert default.tier == own.tier and default.prefill == own.prefill
+    assert default.tier == own.tier and default.prefill == own.prefill and default.dtype == own.dtype
     chart_owned = {"host", "port"}  # the chart binds 0.0.0.0 on gateway.port
     assert {k: v for k, v in vars(default.server).items() if k not in chart_owned} == \
            {k: v for k, v in vars(own.server).items() if k not in chart_owned}

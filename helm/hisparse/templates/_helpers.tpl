@@ -193,6 +193,7 @@ Byte sizes go out as integer bytes, which every spelling of `hisparse serve` acc
 {{- $a = concat $a (list "--block-tokens" (include "hisparse.int" $s.blockTokens)) -}}
 {{- end -}}
 {{- $a = concat $a (list "--max-running" (include "hisparse.int" $s.maxRunning)) -}}
+{{- $a = concat $a (list "--dtype" (toString $s.dtype)) -}}
 {{- range $s.extraArgs -}}
 {{- $a = append $a (include "hisparse.str" .) -}}
 {{- end -}}

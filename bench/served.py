@@ -1,0 +1,137 @@
+"""Served throughput of a fresh `hisparse serve` (its defaults) against `transformers serve` on the same checkpoint.
+
+    python -m bench.served [--concurrency 1,8,32] [--num-prompts 48] [--input-len 128] [--output-len 64]
+                           [--model tiny] [--no-peer] [--serve-args "..."]
+
+Each server runs as its own process, started the way a user starts it, and the load is `hisparse bench
+serve` (streaming chat completions, `ignore_eos`), another process per run. Ours is started fresh with its
+defaults (`--decode-mode auto`: the step is compiled before the server says it is healthy, so the time to
+healthy is reported as the first-start cost); then every concurrency runs its `num_prompts` requests. The
+peer is `transformers serve` in its plain mode (its continuous batching refuses V4's layer types), which
+generates one request at a time; its figures at higher concurrency show that. Reported per concurrency
+and server: requests completed, output tokens delivered against those asked for, output tokens/s, and
+single-stream tokens/s (1 / TPOT p50); and ours / theirs side by side from this one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+from bench.common import emit, environment, progress
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(cmd: list[str], url: str, timeout_s: float, log_path: str) -> tuple[subprocess.Popen, float]:
+    """Start a server process and wait for /health; returns it and the seconds it took to be healthy."""
+    log = open(log_path, "w")  # noqa: SIM115 - the server writes to it for its whole life
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[:3]} exited with {proc.returncode}; see {log_path}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    _stop(proc)
+    raise TimeoutError(f"{cmd[:3]} did not become healthy within {timeout_s:.0f} s; see {log_path}")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _load(url: str, model: str, concurrency: int, a: argparse.Namespace) -> dict:
+    """One `hisparse bench serve` run in its own process; the fields of its JSON this bench reports."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        cmd = [sys.executable, "-m", "cluster.cli", "bench", "serve", "--url", url, "--model", model, "--endpoint", "chat",
+               "--num-prompts", str(a.num_prompts), "--max-concurrency", str(concurrency), "--input-len", str(a.input_len),
+               "--output-len", str(a.output_len), "--no-progress", "--result-file", f.name, "--timeout", "900"]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=3600)
+        res = json.load(open(f.name))
+    tpot = res.get("median_tpot_ms")
+    out = {k: res.get(k) for k in ("completed", "failed", "total_output_tokens", "output_throughput", "duration_s",
+                                   "median_ttft_ms", "median_tpot_ms")}
+    out["asked_output_tokens"] = a.num_prompts * a.output_len
+    out["all_delivered"] = res.get("completed") == a.num_prompts and res.get("total_output_tokens") == a.num_prompts * a.output_len
+    out["single_stream_tok_s"] = round(1000.0 / tpot, 2) if tpot else None
+    return out
+
+
+def _server_runs(name: str, cmd: list[str], url: str, model: str, a: argparse.Namespace, timeout_s: float) -> dict:
+    log_path = os.path.join(tempfile.gettempdir(), f"bench-served-{name}.log")
+    progress(f"{name}: starting ({' '.join(cmd[:4])} ...; log {log_path})")
+    proc, ready_s = _start(cmd, url, timeout_s, log_path)
+    out = {"healthy_after_s": round(ready_s, 1), "by_concurrency": {}}
+    try:
+        for c in a.concurrency:
+            progress(f"{name}: {a.num_prompts} requests at concurrency {c}")
+            out["by_concurrency"][str(c)] = _load(url, model, c, a)
+    finally:
+        _stop(proc)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
+    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--input-len", type=int, default=128, help="characters of each chat prompt")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--model", default="tiny", help="`tiny` or a model directory (both servers load it)")
+    p.add_argument("--no-peer", action="store_true", help="skip `transformers serve`")
+    p.add_argument("--serve-args", default="", help="extra flags for `hisparse serve` (default: none, its defaults)")
+    p.add_argument("--ready-timeout-s", type=float, default=1800.0)
+    a = p.parse_args(argv)
+    from model.builtin import resolve_model_dir
+
+    model_dir = str(resolve_model_dir(a.model))
+    served_name = "tiny" if a.model == "tiny" else os.path.basename(model_dir.rstrip("/"))
+    result: dict = {"benchmark": "served", "env": environment(), "num_prompts": a.num_prompts, "input_len": a.input_len,
+                    "output_len": a.output_len, "concurrency": a.concurrency}
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    ours = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--model", a.model, *shlex.split(a.serve_args)]
+    result["hisparse"] = _server_runs("hisparse", ours, url, served_name, a, a.ready_timeout_s)
+    if not a.no_peer:
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        peer = [sys.executable, "-c", "import sys; from transformers.cli.transformers import main; sys.exit(main())",
+                "serve", model_dir, "--host", "127.0.0.1", "--port", str(port)]
+        result["transformers"] = _server_runs("transformers", peer, url, model_dir, a, 600)
+        ratios = {}
+        for c in map(str, a.concurrency):
+            ours_c, theirs_c = result["hisparse"]["by_concurrency"][c], result["transformers"]["by_concurrency"][c]
+            ratios[c] = {k: round(ours_c[k] / theirs_c[k], 2) if ours_c.get(k) and theirs_c.get(k) else None
+                         for k in ("output_throughput", "single_stream_tok_s")}
+        result["hisparse_over_transformers"] = ratios
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
