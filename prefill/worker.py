@@ -299,7 +299,7 @@ class PrefillWorker:
         """Log-probabilities of this chunk's prompt tokens from the logits before each of them."""
         top = p.req.sampling.prompt_logprobs or 0
         start = p.done
-        ids = torch.tensor(p.tokens[start : start + n], dtype=torch.long)
+        ids = torch.tensor(p.tokens[start : start + n], dtype=torch.long, device=logits.device)  # gathered from the logits
         rows = logits[:-1] if p.carry is None else torch.cat((p.carry, logits[:-1]))  # the rows scoring ids
         if start == 0:
             p.logprobs.append(PromptLogprob(p.tokens[0], None))

@@ -23,11 +23,7 @@ MODEL_DECODE_PATH = ("model", "attention", "layers", "packed", "parallel", "rope
 HOST_BY_DESIGN = {
     ("cachetier/host_pool.py", "HostPool.__init__"): "the host pool is host memory (pinned on CUDA, read through its device view)",
     ("cachetier/tiered_batch.py", "TieredBatch.__init__"): "the per-step metadata's pinned staging copies, filled through NumPy",
-    ("cachetier/store.py", "TieredStore.reserve"): "(moving) admission's device work goes onto the step thread",
-    ("cachetier/store.py", "TieredStore._write_layout"): "(moving) admission's device work goes onto the step thread",
-    ("cachetier/store.py", "TieredStore._c4_rows"): "(moving) admission's device work goes onto the step thread",
-    ("cachetier/store.py", "TieredStore._stage"): "(moving) the pinned buffer layouts cross to the device through",
-    ("cachetier/tiered_batch.py", "TieredBatch.load"): "(moving) the block tables' host copy, filled before the step",
+    ("cachetier/store.py", "TieredStore._stage"): "the pinned staging buffer layouts cross to the device through",
     ("cachetier/layout.py", "pack_layout"): "a layout packed for transport is host bytes",
     ("cachetier/layout.py", "unpack_layout"): "a transported layout is unpacked from host bytes",
     ("cachetier/prefix.py", "PrefixCache._segment"): "prefix-cache segments are host copies",
@@ -35,10 +31,8 @@ HOST_BY_DESIGN = {
     ("model/parallel.py", "Comm.all_equal"): "a digest check over the gloo (host) metadata group",
     ("model/rope.py", "default_inv_freq"): "rotary tables: built with the model (under its device) and moved with it",
     ("model/rope.py", "yarn_inv_freq"): "rotary tables: built with the model (under its device) and moved with it",
-    ("prefill/worker.py", "PrefillWorker._score"): "prompt log-probabilities: being rewritten (ids onto the logits' device, F4)",
 }
-"""(module, function) -> why its factories make host tensors. Entries marked (moving) belong to code another
-change is moving right now: they may match nothing for a while."""
+"""(module, function) -> why its factories make host tensors."""
 
 
 def _step_modules() -> list[Path]:
