@@ -444,8 +444,10 @@ class TieredStore(KVStore):
         return out
 
     def _write_c4_host(self, r: Resident, j: int, lk, rows: dict[str, torch.Tensor]) -> None:
-        """CSA layer j's C4 entries into the request's host blocks — whole blocks at a time (one `index_copy_` of
-        blocks, not one indexed row each) — and fresh bookkeeping: none of them is resident yet."""
+        """CSA layer j's C4 entries into the request's host blocks, whole blocks at a time, and fresh bookkeeping:
+        none of them is resident yet. The blocks go through NumPy's indexed assignment of byte rows: for 32K
+        entries of 584 B, 1.5 ms against 11 ms for torch's indexed row copy and 13 ms for `index_copy_` here
+        (`python -m bench.admission`)."""
         g = self.geo
         entries, n, e4 = lk.entries, lk.num_entries, g.e4
         kv = self.host.kv[j]  # [host rows, row]
@@ -454,12 +456,13 @@ class TieredStore(KVStore):
             write_rows(self.host.kv, j, self.host.rows(r.host_blocks_t.to(entries.device), e), entries)
         else:
             full = n // e4
+            src = entries.to(kv.dtype).contiguous()
             if full:
-                blocks = kv.view(-1, e4, kv.shape[-1])  # [host blocks, e4, row]
-                blocks.index_copy_(0, r.host_blocks_t[:full], entries[: full * e4].reshape(full, e4, -1).to(kv.dtype))
+                dst = kv.view(-1, e4 * kv.shape[-1]).view(torch.uint8).numpy()  # [host blocks, block bytes]
+                dst[r.host_blocks_np[:full]] = src[: full * e4].reshape(full, -1).view(torch.uint8).numpy()
             if n > full * e4:
                 start = r.host_blocks[full] * e4
-                kv[start : start + n - full * e4] = entries[full * e4 :]
+                kv[start : start + n - full * e4] = src[full * e4 :]
         self.entry_map[j][rows["map"]] = -1
         self.hot_entry_row[j][r.group] = -1
         self.hot_stamp[j][r.group] = -1
