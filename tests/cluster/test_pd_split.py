@@ -50,6 +50,14 @@ def _inprocess(tiny_model, reqs):
     return {r.request_id: done[r.request_id].token_ids for r in reqs}
 
 
+def test_every_actor_says_where_and_how_it_computes(service):
+    """What the start-up log prints for each actor: device, dtype, KV format, and for decode its step mode
+    (here the CPU: the cluster has no GPU, so no actor reserves one)."""
+    actors = service.actors
+    assert [i["describe"] for i in actors.prefill_info] == ["cpu, float32, kv bf16"] * 2
+    assert [i["describe"] for i in actors.decode_info] == ["cpu, float32, kv bf16, decode eager"] * 2
+
+
 def test_pd_equals_in_process_for_concurrent_requests(loop, service, tiny_model):
     reqs = _requests(6)
 

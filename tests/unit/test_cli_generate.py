@@ -54,7 +54,17 @@ def test_tier_options_same_tokens_and_counters():
     assert a["misses"] > 0 and a["hits"] > 0 and a["bytes_h2d"] > 0
     assert b["misses"] == 0 and b["bytes_h2d"] == 0
     assert a["decode_step"]["mode"] == "compiled" and a["decode_step"]["compiles"] >= 1
-    assert b["decode_step"]["mode"] == "eager"  # `auto`, the default, on a CPU
+    assert b["decode_step"]["mode"] == "eager"  # generate's default: one generation does not pay for a compile
+
+
+def test_generate_runs_on_the_device_in_the_serving_dtype_and_says_so():
+    r = _run("--prompt-ids", "1,2,3", "--max-tokens", "4", "--json", "--ignore-eos", "--dtype", "bfloat16")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["device"], out["dtype"], out["kv_format"]) == ("cpu", "bfloat16", "bf16")
+    assert "generating on cpu, bfloat16, kv bf16, decode eager" in r.stderr
+    auto = json.loads(_run("--prompt-ids", "1,2,3", "--max-tokens", "2", "--json").stdout)
+    assert auto["dtype"] == "float32"  # --dtype auto on a CPU (bfloat16 on CUDA)
 
 
 def test_tier_option_errors_name_the_fix():

@@ -104,3 +104,32 @@ def test_compiled_mode_on_plain_layouts_decodes_eagerly(tiny_model):
     assert runner.mode == "eager" and not runner.fixed
     with pytest.raises(ValueError, match="decode_mode"):
         StepConfig(decode_mode="graphs")
+
+
+def test_auto_compiles_once_before_serving_and_never_inside_a_step(tiny_model):
+    """`--decode-mode auto` on the CPU: one graph, symbolic in rows and blocks, compiled by `warmup` (before the
+    worker is ready); steps over many buckets afterwards run it without compiling again. (The `eager` backend
+    keeps the compile quick; what it captures is what Inductor compiles.)"""
+    from decode.runner import StepRunner
+
+    store = TieredStore(tiny_model.cfg, TierConfig(hot_buffer_slots=16, device_budget_bytes=8 * 2**20,
+                                                   host_pool_bytes=16 * 2**20, max_running=8))
+    runner = StepRunner(tiny_model, store, 8, StepConfig(compile_backend="eager"))
+    assert runner.mode == "compiled"
+    runner.warmup()
+    assert runner.compiles == 1 and runner.compile_log == [(2, 2)]  # at start-up, on scratch rows
+    g = torch.Generator().manual_seed(3)
+    ids = []
+    for i, n in enumerate((5, 300, 700, 40, 1100, 9, 20)):  # contexts of 1 to 8 blocks
+        prompt = torch.randint(6, tiny_model.cfg.vocab_size, (n,), generator=g).tolist()
+        _, layout = tiny_model.prefill(prompt, last_only=True)
+        store.admit(f"r{i}", layout, n + 8)
+        ids.append(f"r{i}")
+    for rows in (1, 2, 3, 5, 7):  # row buckets 2, 4 and 8, block buckets 2, 4 and 8
+        for _ in range(2):
+            runner.run(ids[:rows], [7] * rows)
+    assert {r for r, _ in runner.steps_by_bucket} == {2, 4, 8} and {b for _, b in runner.steps_by_bucket} >= {2, 4, 8}
+    assert runner.compiles == 1 and runner.eager_steps == 0  # no step compiled, none fell back to eager
+    for rid in ids:
+        store.free(rid)
+    store.check_integrity()

@@ -67,3 +67,13 @@ def test_bf16_logits_within_the_stated_tolerance_of_fp32(tiny_dir):
     assert float((ref - got).abs().max()) <= MAX_LOGIT
     assert float((ref.argmax(-1) == got.argmax(-1)).float().mean()) >= ARGMAX
     assert float((ref - got).abs().max()) > 0  # it really ran in bf16
+
+
+def test_actors_take_a_gpu_each_where_the_cluster_has_gpus():
+    from core.roles import ClusterConfig
+
+    assert ClusterConfig().prefill_num_gpus is None and ClusterConfig().decode_num_gpus is None  # decided with Ray up
+    assert ClusterConfig().gpus_per_actor(8) == (1.0, 1.0)
+    assert ClusterConfig().gpus_per_actor(0) == (0.0, 0.0)
+    asked = ClusterConfig(prefill_num_gpus=0.0, decode_num_gpus=0.5)
+    assert asked.gpus_per_actor(8) == (0.0, 0.5)  # what was asked for stays (0 on a GPU cluster is logged)
