@@ -27,6 +27,10 @@ whole cache), and a host eviction then only frees memory; a part read back from 
 tier has its own budget; when a file must go and the part is not in memory, the part is dropped. Dropping
 a page drops the pages below it (their entries are useless without it). A lookup pins the nodes of the
 matched path (reference counts) until `release`: pinned parts are never evicted.
+
+The disk tier never stops the server (see `cachetier.prefix_disk`): a directory that takes no writes is
+still read for hits while new parts stay in memory only, a part whose file could not be written stays in
+memory until evicted, and every failure is counted (`disk_read_errors`, `disk_write_errors`).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import torch
 
 from cachetier.geometry import block_tokens_for
 from cachetier.layout import CompressorState, KVLayout, LayerKV, append_rows
-from cachetier.prefix_disk import SEG, STATE, CorruptPart, DiskTier
+from cachetier.prefix_disk import READ, SEG, STATE, WRITE, CorruptPart, DiskTier
 from core.config import ModelConfig
 from core.roles import PrefixCacheConfig
 
@@ -132,16 +136,23 @@ class PrefixCacheStats:
     disk_writes: int
     disk_read_bytes: int
     disk_write_bytes: int
-    disk_errors: int
-    """Files that failed their checksum or could not be read (each a miss)."""
+    disk_read_errors: int
+    """Files that could not be read or failed their checks (each a miss), and a directory that could not be listed."""
+    disk_write_errors: int
+    """Files that could not be written or removed, and a directory found at start-up to take no writes."""
     page_tokens: int
 
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def disk_errors(self) -> int:
+        """Every failure of the disk tier."""
+        return self.disk_read_errors + self.disk_write_errors
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate}
+        return {**asdict(self), "hit_rate": self.hit_rate, "disk_errors": self.disk_errors}
 
 
 class PrefixCache:
@@ -157,7 +168,7 @@ class PrefixCache:
         self.tally = {(tier, kind): [0, 0] for tier in ("host", "disk") for kind in (SEG, STATE)}
         """(tier, part kind) -> [bytes, parts]: kept as parts move, so stats never walk the cache."""
         self.count = dict.fromkeys(("lookups", "prompt_tokens", "hit_tokens", "evictions", "disk_drops", "disk_reads",
-                                    "disk_writes", "disk_read_bytes", "disk_write_bytes", "disk_errors"), 0)
+                                    "disk_writes", "disk_read_bytes", "disk_write_bytes"), 0)
         self.state_snapshot_bytes = 0
         self._lock = threading.RLock()
         self.disk = DiskTier(config.directory, fmt) if config.disk_enabled else None
@@ -185,8 +196,8 @@ class PrefixCache:
                 try:
                     segs = [self._get(n.seg) for n in path[:r]]
                     state = self._get(path[r - 1].state) if r else None
-                except CorruptPart as e:
-                    log.warning("prefix cache: %s; treated as a miss", e)
+                except CorruptPart as e:  # counted and warned about (once) by the disk tier
+                    log.debug("prefix cache: %s; treated as a miss", e)
                     continue
                 for n in path:
                     n.refs += 1
@@ -284,7 +295,7 @@ class PrefixCache:
     def _add(self, node: Node, kind: str, value: KVLayout) -> Part:
         part = Part(node, kind, None, value.total_bytes())
         self._to_host(part, value)
-        if self.disk is not None:
+        if self.disk is not None and self.disk.writable:  # else it lives in memory only, like without a disk tier
             self._enqueue(part)
         return part
 
@@ -305,11 +316,8 @@ class PrefixCache:
             node = part.node
             parent = None if node.parent is None or node.parent is self.root else node.parent.digest
             size, value = 0, part.value  # parts never change once stored: read without the lock
-            try:
-                if value is not None and not part.dropped:
-                    size = self.disk.write(node.digest, part.kind, parent, node.key if part.kind == SEG else (), value)
-            except OSError as e:
-                log.warning("prefix cache: cannot write %s.%s: %s", node.digest, part.kind, e)
+            if value is not None and not part.dropped:  # 0: not written (counted by the tier), stays in memory only
+                size = self.disk.write(node.digest, part.kind, parent, node.key if part.kind == SEG else (), value)
             with self._lock:
                 part.writing = False
                 if part.dropped:
@@ -344,7 +352,6 @@ class PrefixCache:
         try:
             value = self.disk.read(part.node.digest, part.kind)
         except CorruptPart:
-            self.count["disk_errors"] += 1
             self._drop(part)
             raise
         self.count["disk_reads"] += 1
@@ -492,6 +499,7 @@ class PrefixCache:
     def stats(self) -> PrefixCacheStats:
         with self._lock:
             t = self.tally
+            errors = self.disk.errors if self.disk is not None else {}
             return PrefixCacheStats(
                 **{k: self.count[k] for k in ("lookups", "prompt_tokens", "hit_tokens")},
                 nodes=len(self.nodes), state_snapshots=self.num_states,
@@ -500,7 +508,8 @@ class PrefixCache:
                 state_snapshot_bytes=self.state_snapshot_bytes,
                 state_bytes_every_page=len(self.nodes) * self.state_snapshot_bytes,
                 **{k: self.count[k] for k in ("evictions", "disk_drops", "disk_reads", "disk_writes", "disk_read_bytes",
-                                              "disk_write_bytes", "disk_errors")},
+                                              "disk_write_bytes")},
+                disk_read_errors=errors.get(READ, 0), disk_write_errors=errors.get(WRITE, 0),
                 page_tokens=self.page,
             )
 
