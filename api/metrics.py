@@ -123,8 +123,14 @@ def _prefix_cache(model: str, pc: dict | None):
     io_bytes.add_metric([model, "read"], float(pc["disk_read_bytes"]))
     io_bytes.add_metric([model, "write"], float(pc["disk_write_bytes"]))
     yield io_bytes
-    yield one(CounterMetricFamily, "hisparse_prefix_cache_disk_errors", "Disk files that failed their checksum (misses)",
-              pc["disk_errors"])
+    yield one(CounterMetricFamily, "hisparse_prefix_cache_disk_errors", "Disk tier failures, reads and writes (the cache "
+              "goes on without what failed)", pc["disk_errors"])
+    errors = CounterMetricFamily("hisparse_prefix_cache_disk_op_errors", "Disk tier failures by operation (read: a file "
+                                 "unreadable or failing its checks, a miss; write: a file not written or removed)",
+                                 labels=["model", "op"])
+    for op in ("read", "write"):
+        errors.add_metric([model, op], float(pc.get(f"disk_{op}_errors", 0)))
+    yield errors
 
 
 class Metrics:

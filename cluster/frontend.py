@@ -63,7 +63,8 @@ from prefill.worker import PrefillRequest
 log = logging.getLogger(__name__)
 PREFIX_SUMS = ("lookups", "prompt_tokens", "hit_tokens", "nodes", "state_snapshots", "host_seg_bytes", "host_state_bytes",
                "disk_seg_bytes", "disk_state_bytes", "state_bytes_every_page", "evictions", "disk_drops", "disk_reads",
-               "disk_writes", "disk_read_bytes", "disk_write_bytes", "disk_errors", "host_pages", "disk_pages")
+               "disk_writes", "disk_read_bytes", "disk_write_bytes", "disk_errors", "disk_read_errors", "disk_write_errors",
+               "host_pages", "disk_pages")
 """Prefix-cache numbers summed over the prefill actors for /metrics."""
 
 
