@@ -1,6 +1,9 @@
 """GPU checks of the packed-weight kernels, for a CUDA machine in one go (prints one JSON object).
 
-    python -m bench.gpu_check_weights [--quick]
+    python -m bench.gpu_check_weights [--quick]     # quick: the speed sweep at M = 1, 64, 1024 only
+
+`bench.gpu_check` runs the quick set as its `packed_weights` check (`packed_weights`), recording each part as it
+finishes, so a timeout loses only what had not run.
 
 `checks()` returns one dict per check: `name`, `ok` (None for pure measurements) and its figures; a check
 that raises is reported with its error, never raised. Without CUDA nothing runs and the object says so.
@@ -23,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import emit, environment, time_per_call
+from bench.common import emit, environment
+from bench.gpu_check_util import Ctx, device_ms
 
 V4_FLASH_LINEARS = {  # name: (out, in) of the FP8 matrices of one V4-Flash layer
     "wq_a": (1024, 4096), "wq_b": (32768, 1024), "wkv": (512, 4096), "wo_b": (4096, 8192),
@@ -41,21 +45,8 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _cuda_time(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
-    """Median seconds per call, timed with CUDA events (wall clock on a CPU dry run)."""
-    if DEVICE != "cuda":
-        return time_per_call(fn, iters, warmup)
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+    """Median seconds per call (CUDA events on the GPU, the wall clock on a CPU dry run)."""
+    return device_ms(fn, DEVICE, iters, warmup) / 1e3
 
 
 def _fp8(n: int, k: int, seed: int):
@@ -243,10 +234,15 @@ def bench_fp4_experts(token_counts: tuple[int, ...]) -> dict:
             "note": "the bf16 figure is one dense matmul of the same FLOPs (no routing), an upper bound for a bf16 grouped MoE"}
 
 
-def checks(quick: bool = False) -> list[dict]:
-    """Every check, in order; failures are reported in the dicts, never raised."""
-    ms = (1, 16, 128) if quick else (1, 16, 128, 1024, 4096)
-    tokens = (16, 256) if quick else (1, 16, 256, 2048)
+QUICK_M = (1, 64, 1024)
+"""Rows of the speed sweep in a quick run (`bench.gpu_check`): one decode token, a decode batch, a prefill chunk."""
+
+
+def checks(quick: bool = False, on_result: Callable[[dict], None] | None = None) -> list[dict]:
+    """Every check, in order (the Inductor compile last: it is the slowest to start); failures are reported in
+    the dicts, never raised. `on_result` sees each as it finishes."""
+    ms = QUICK_M if quick else (1, 16, 64, 128, 1024, 4096)
+    tokens = QUICK_M if quick else (1, 16, 64, 256, 1024, 2048)
     plan: list[tuple[str, Callable[[], dict]]] = [
         ("fp8_linear_correctness", check_fp8_linear),
         ("fp8_w8a8_correctness", check_fp8_w8a8),
@@ -254,9 +250,9 @@ def checks(quick: bool = False) -> list[dict]:
         ("fp8_ue8m0_extremes", check_ue8m0_extremes),
         ("fp4_experts_correctness", check_fp4_experts),
         ("realformat_model_packed_vs_dequantized", check_realformat_model),
-        ("compile_fullgraph_packed_modules", check_compile),
         ("fp8_gemm_tflops_v4_flash", lambda: bench_fp8_gemm(ms)),
         ("fp4_experts_tflops_v4_flash", lambda: bench_fp4_experts(tokens)),
+        ("compile_fullgraph_packed_modules", check_compile),
     ]
     out = []
     for name, fn in plan:
@@ -265,9 +261,19 @@ def checks(quick: bool = False) -> list[dict]:
         except Exception as exc:  # a check reports its failure; the rest still run
             out.append({"name": name, "ok": False, "error": f"{type(exc).__name__}: {exc}",
                         "traceback": traceback.format_exc()[-2000:]})
+        if on_result is not None:
+            on_result(out[-1])
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     return out
+
+
+def packed_weights(ctx: Ctx) -> dict:
+    """`bench.gpu_check`'s check: the quick run, each part recorded as it finishes."""
+    global DEVICE
+    DEVICE = ctx.device
+    results = checks(quick=True, on_result=lambda r: ctx.record(r["name"], r))
+    return {"ok": all(r["ok"] is not False for r in results)}
 
 
 def main(argv: list[str] | None = None) -> None:
