@@ -11,6 +11,29 @@ from __future__ import annotations
 
 import torch
 
+BLOCK_M_SIZES = (16, 32, 64)
+"""Row-block sizes of the grouped expert GEMM, smallest first. 16 is the least a tensor-core dot takes;
+64 keeps the fp32 accumulator of a 64-output tile within registers."""
+
+
+def expected_rows_per_expert(pairs: int, routed_experts: int) -> float:
+    """Rows one expert gets on average: the batch's (token, expert) pairs over every expert the router picks
+    from. On an expert-parallel rank that is the whole model's count, not the rank's: the rank sees every
+    gathered pair but holds only its share of the experts, and the rest of the pairs are marked -1."""
+    return pairs / max(routed_experts, 1)
+
+
+def block_m(pairs: int, routed_experts: int) -> int:
+    """BLOCK_M for a grouped expert matmul, from static shapes only (a captured step keeps one choice per batch).
+
+    A block's rows past its expert's count are padding the dot still computes, and every further block of
+    the same expert decodes that expert's weights again. So the block is the smallest size that holds the
+    expected rows of one expert: 16 at decode sizes (12 rows per expert for 64 rows per rank on EP8 of
+    V4-Flash), larger only once prefill-sized batches fill them.
+    """
+    rows = expected_rows_per_expert(pairs, routed_experts)
+    return next((size for size in BLOCK_M_SIZES if rows <= size), BLOCK_M_SIZES[-1])
+
 
 def num_slots(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Upper bound of padded slots, rounded up to whole blocks."""

@@ -90,16 +90,22 @@ class FP8Linear(nn.Module):
 class FP4Experts(nn.Module):
     """Routed experts as MXFP4: gate_up [E, 2*inter, hidden/2] (w1 then w3), down [E, hidden, inter/2], int8
     packed e2m1 pairs, with UE8M0 scale bytes per 32 inputs. `first_expert` is the global id of local expert 0
-    (non-zero on an expert-parallel rank); pairs routed to experts outside this module contribute 0."""
+    (non-zero on an expert-parallel rank); pairs routed to experts outside this module contribute 0.
+    `routed_experts` is the router's whole set (default: first_expert + num_experts, the fewest the ids held
+    allow); the kernel sizes its row blocks by the rows each expert can expect, which depends on it."""
 
     def __init__(
-        self, num_experts: int, hidden: int, inter: int, limit: float, first_expert: int = 0, device=None
+        self, num_experts: int, hidden: int, inter: int, limit: float, first_expert: int = 0, device=None,
+        routed_experts: int | None = None,
     ) -> None:
         super().__init__()
         if hidden % 2 or inter % 2:
             raise ValueError(f"FP4 packs two inputs per byte; hidden {hidden} and inter {inter} must be even")
+        routed = first_expert + num_experts if routed_experts is None else routed_experts
+        if routed < first_expert + num_experts:
+            raise ValueError(f"experts {first_expert}..{first_expert + num_experts - 1} are outside a router of {routed}")
         self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
-        self.limit, self.first_expert = limit, first_expert
+        self.limit, self.first_expert, self.routed_experts = limit, first_expert, routed
 
         def buf(name: str, rows: int, cols: int) -> None:
             self.register_buffer(name, torch.empty(num_experts, rows, cols // 2, dtype=torch.int8, device=device))
@@ -113,7 +119,8 @@ class FP4Experts(nn.Module):
     def from_dense(cls, experts: Experts) -> FP4Experts:
         """Quantize dense stacked experts (round to nearest even, power-of-two scales, nothing clipped)."""
         e, two_i, h = experts.gate_up.shape
-        mod = cls(e, h, two_i // 2, experts.limit, experts.first_expert, device=experts.gate_up.device)
+        mod = cls(e, h, two_i // 2, experts.limit, experts.first_expert, device=experts.gate_up.device,
+                  routed_experts=experts.routed_experts)
         for name in ("gate_up", "down"):
             packed, scale = quantize_fp4(getattr(experts, name).detach())
             getattr(mod, name).copy_(packed)
@@ -126,10 +133,11 @@ class FP4Experts(nn.Module):
         local = idx.reshape(-1) - self.first_expert  # [pairs], pair p = (token p // top_k, slot p % top_k)
         experts = torch.where((local >= 0) & (local < self.num_experts), local, -1)
         pairs = torch.arange(tokens * top_k, device=x.device)
-        h = fp4_expert_matmul(x, pairs // top_k, experts, self.gate_up, self.gate_up_scale)  # [pairs, 2*inter]
+        routed = self.routed_experts
+        h = fp4_expert_matmul(x, pairs // top_k, experts, self.gate_up, self.gate_up_scale, routed)  # [pairs, 2*inter]
         gate, up = h.chunk(2, dim=-1)
         act = _swiglu(gate, up, self.limit)  # [pairs, inter]
-        y = fp4_expert_matmul(act, pairs, experts, self.down, self.down_scale)  # [pairs, hidden]
+        y = fp4_expert_matmul(act, pairs, experts, self.down, self.down_scale, routed)  # [pairs, hidden]
         out = (y.unflatten(0, (tokens, top_k)) * weights.unsqueeze(-1)).sum(dim=1)
         return out.to(x.dtype)
 
@@ -140,14 +148,15 @@ class FP4Experts(nn.Module):
     def shard(self, rank: int, world: int) -> FP4Experts:
         """Expert parallelism: this rank's whole experts (a contiguous range), scales included."""
         first, count = expert_range(self.num_experts, rank, world)
-        mod = FP4Experts(count, self.hidden, self.inter, self.limit, self.first_expert + first, device=self.gate_up.device)
+        mod = FP4Experts(count, self.hidden, self.inter, self.limit, self.first_expert + first, device=self.gate_up.device,
+                         routed_experts=self.routed_experts)
         for name, t in self.named_buffers():
             getattr(mod, name).copy_(t[first : first + count])
         return mod
 
     def extra_repr(self) -> str:
-        return (f"experts={self.num_experts} (first {self.first_expert}), hidden={self.hidden}, inter={self.inter}, "
-                f"mxfp4 e2m1 + ue8m0 per {FP4_BLOCK}")
+        return (f"experts={self.num_experts} (first {self.first_expert} of {self.routed_experts}), hidden={self.hidden}, "
+                f"inter={self.inter}, mxfp4 e2m1 + ue8m0 per {FP4_BLOCK}")
 
 
 # --------------------------------------------------------------------------------------------- sharding
@@ -205,7 +214,8 @@ def swap_in_packed(model: nn.Module, kinds: dict[str, str]) -> None:
             if not isinstance(old, Experts):
                 raise TypeError(f"{path} is a {type(old).__name__}, not routed experts; it cannot hold FP4 weights")
             e, two_i, h = old.gate_up.shape
-            new = FP4Experts(e, h, two_i // 2, old.limit, old.first_expert, device=old.gate_up.device)
+            new = FP4Experts(e, h, two_i // 2, old.limit, old.first_expert, device=old.gate_up.device,
+                             routed_experts=old.routed_experts)
         else:
             raise ValueError(f"unknown packed kind {kind!r} for {path}")
         setattr(parent, attr, new)
