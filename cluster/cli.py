@@ -348,7 +348,7 @@ def _generate(args: argparse.Namespace) -> int:
     eos_ids = end_of_sequence_ids(model_dir, model.cfg, tok.eos_token_ids if tok is not None else ())
     try:
         engine = InProcessEngine(model, tier, eos_ids=eos_ids, step=step)
-        from cluster.prefill_actor import describe_worker
+        from cluster.describe import describe_worker
 
         logging.getLogger("hisparse.generate").info("generating on %s", describe_worker(model, engine.decode.runner.mode))
         done = engine.generate([GenerateRequest("generate-0", tuple(prompt_ids), params)])["generate-0"]

@@ -19,6 +19,7 @@ import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from cachetier.layout import layout_format, pack_layout
+from cluster.describe import describe_worker
 from cluster.protocol import DecodeTarget, Handoff, PrefillOutcome, StepFailure, WorkerLost
 from cluster.replica import ReplicaRank
 from cluster.steploop import StepThread, resolve
@@ -51,16 +52,6 @@ def load_model_for_actor(model_spec: str, num_threads: int, stub: StubConfig | N
 
         return StubModel(model, stub)
     return model
-
-
-def describe_worker(model, decode_mode: str | None = None) -> str:
-    """What the start-up log says of an actor: device, dtype, KV format (and how it decodes)."""
-    import torch
-
-    dev = model.device
-    name = f"{dev}" if dev.type != "cuda" else f"{dev} ({torch.cuda.get_device_name(dev)})"
-    out = f"{name}, {str(model.dtype).removeprefix('torch.')}, kv {model.cfg.kv_format}"
-    return out + (f", decode {decode_mode}" if decode_mode is not None else "")
 
 
 class PrefillActor(ReplicaRank):
