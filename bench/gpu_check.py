@@ -81,7 +81,7 @@ CHECKS = (
     Check("decode_graphs", "bench.gpu_check_decode:decode_graphs", 200, about="eager vs CUDA graphs, lazy capture"),
     Check("capture_guard", "bench.gpu_check_decode:capture_guard_check", 120, about="the capture guard on the device"),
     Check("engine", "bench.gpu_check_serving:engine", 120, about="InProcessEngine: logprobs, seeded sampling"),
-    Check("generate", "bench.gpu_check_serving:generate", 120, about="hisparse generate --json on the GPU"),
+    Check("generate", "bench.gpu_check_generate:generate", 120, about="hisparse generate --json on the GPU"),
     Check("packed_weights", "bench.gpu_check_weights:packed_weights", 180, cpu_debug=False, about="FP8/FP4 kernels"),
     # the runner's own tests: each status a check can end in
     Check("_pass", "bench.gpu_check_selftest:passes", 30, needs_cuda=False, hidden=True),

@@ -1,20 +1,14 @@
-"""`engine` and `generate`: the single-process serving path on the device, as `hisparse generate` runs it.
+"""`engine`: the single-process serving path on the device, as `hisparse generate` runs it.
 
 `engine`: `InProcessEngine` with the built-in model in the serving dtype (`core.device.serving_dtype`: bf16 on
 CUDA) and the default decode mode (CUDA graphs), 8 requests at once: five greedy, one asking for prompt
 log-probabilities (checked against log-softmax of a full prefill's logits), two sampled with seeds. The batch
 runs twice and each seeded request once alone: its tokens must not depend on the run or on its neighbours.
-
-`generate`: `python -m cluster.cli generate --json` in a subprocess; its JSON must name the GPU and bf16.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -27,7 +21,6 @@ from core.types import SamplingParams
 from model.builtin import ensure_builtin
 from model.loader import load_model
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPT_LOGPROB_TOL = {torch.float32: 1e-3, torch.bfloat16: 0.1}
 """Largest |log-prob| difference between the prefill worker's prompt log-probs and a full prefill's."""
 GREEDY_LENGTHS = (3, 17, 60, 120, 200)
@@ -100,23 +93,3 @@ def engine(ctx: Ctx) -> dict:
             "seeded_streams_differ": sampled_differ, "prompt_logprobs": logprobs,
             "ok": same_runs and all(alone_same.values()) and sampled_differ and logprobs["ok"]
             and mode == ("cuda_graphs" if ctx.cuda else "eager")}
-
-
-def generate(ctx: Ctx) -> dict:
-    cmd = [sys.executable, "-m", "cluster.cli", "generate", "--prompt-ids", "1,2,3", "--max-tokens", "8", "--json",
-           "--max-running", "8"]
-    if not ctx.cuda:
-        cmd += ["--decode-mode", "eager"]  # a CPU debug run: no Inductor compile
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=110)
-    seconds = round(time.perf_counter() - t0, 2)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    out = json.loads(lines[-1]) if lines else {}
-    want_dtype = str(devices.serving_dtype("auto", "cuda" if ctx.cuda else "cpu")).removeprefix("torch.")
-    device = str(out.get("device", ""))
-    ok = proc.returncode == 0 and device.startswith(ctx.device) and out.get("dtype") == want_dtype and len(out.get("token_ids", [])) == 8
-    res = {"rc": proc.returncode, "seconds": seconds, "device": device, "dtype": out.get("dtype"), "want_dtype": want_dtype,
-           "kv_format": out.get("kv_format"), "decode_step": out.get("decode_step"), "token_ids": out.get("token_ids"), "ok": ok}
-    if not ok:
-        res["stdout_tail"], res["stderr_tail"] = proc.stdout[-1500:], proc.stderr[-3000:]
-    return res
