@@ -28,11 +28,11 @@ def sparse_attention(
     """Attention of q [batch, heads, dim] over `pool[rows]` of each (pool, rows) segment, with a sink;
     stored rows read through `unpack` (packed KV formats)."""
     if q.is_cuda and device.current().use_triton:
-        from kernels.attention_triton import sparse_attention_triton
+        from kernels.attention_triton import reads_packed, sparse_attention_triton
 
-        if isinstance(unpack, MainRowReader):  # v4 main rows: the kernel dequantizes them as it loads them
+        if isinstance(unpack, MainRowReader) and reads_packed(unpack):  # v4 main rows: dequantized as they are loaded
             return sparse_attention_triton(q, segments, sinks, scale, packed=unpack)
-        if unpack is not None:  # another row format: gather and dequantize first
+        if unpack is not None:  # another row format or geometry: gather and dequantize first
             segments = dense_segments(segments, unpack)
         return sparse_attention_triton(q, segments, sinks, scale)
     return sparse_attention_ref(q, segments, sinks, scale, unpack)

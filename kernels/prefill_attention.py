@@ -24,9 +24,10 @@ def prefill_attention(
     `pool[:counts[i]]`, with a sink; `tile` bounds the reference's transient (prefix rows read at once).
     Stored rows are read through `unpack` (packed KV formats)."""
     if device.current().use_triton and q.is_cuda:
+        from kernels.attention_triton import reads_packed
         from kernels.prefill_attention_triton import prefill_attention_triton
 
-        if isinstance(unpack, MainRowReader):  # v4 main rows: the kernel dequantizes them as it loads them
+        if isinstance(unpack, MainRowReader) and reads_packed(unpack):  # v4 main rows: the kernel dequantizes them as it loads them
             return prefill_attention_triton(q, segments, prefix, sinks, scale, packed=unpack)
         if unpack is not None:  # another row format: dequantize what the kernel will read first
             segments = dense_segments(segments, unpack)

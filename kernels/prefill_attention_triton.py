@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_triton import _attend_segment, _fold_rows
+from kernels.attention_triton import _attend_segment, _fold_rows, packed_pool_error, reads_packed
 
 MAX_SEGMENTS = 2
 
@@ -134,12 +134,12 @@ def prefill_attention_triton(
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise ValueError(f"expected 1..{MAX_SEGMENTS} gathered segments, got {len(segments)}")
     n_q, heads, dim = q.shape
-    if packed is not None and packed.head_dim != dim:
-        raise ValueError(f"packed rows of {packed.head_dim} channels do not fit q {tuple(q.shape)}")
+    if packed is not None and (packed.head_dim != dim or not reads_packed(packed)):
+        raise ValueError(f"packed rows of {packed.head_dim} / {packed.rope_dim} channels are not read in place for q {tuple(q.shape)}")
 
     def fits(pool: torch.Tensor) -> bool:
-        if packed is not None:
-            return pool.dim() == 2 and pool.dtype == torch.uint8 and pool.stride(1) == 1
+        if packed is not None:  # the decode kernel's loader reads rows on 8-byte boundaries
+            return packed_pool_error(pool) is None
         return pool.dim() == 2 and pool.shape[1] == dim
 
     for pool, rows in segments:
