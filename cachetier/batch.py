@@ -1,11 +1,12 @@
 """The storage interface the model's batched decode step works through, and its plain implementation.
 
 The decode step of the model never touches storage directly: it asks a `DecodeKV` for the window
-ring, the compressor tails and the entries of each layer, and for the C4 entries its indexer
-selected. `LayoutBatch` answers from plain `KVLayout`s (everything resident); the decode worker's
-tiered store answers from its device arena, host pool and hot buffers (`cachetier.tiered_batch`).
-Both hand the attention the same `Segment`s — the same rows in the same order, padded to the same
-lengths — so the two give bit-identical results.
+ring, the compressor tails and the entries of each layer, for the indexer's selection (`index_topk`:
+one operation over the stored keys, where the store keeps them) and for the C4 entries selected.
+`LayoutBatch` answers from plain `KVLayout`s (everything resident); the decode worker's tiered store
+answers from its device arena, host pool and hot buffers (`cachetier.tiered_batch`). Both select over
+the same keys with the same operation and hand the attention the same `Segment`s — the same rows in
+the same order, padded to the same lengths — so the two give bit-identical results.
 
 Every operation has static shapes: the whole batch does the same work each step and masks say
 which rows it counts for (which rows complete a compressor window, which entries exist). That is
@@ -27,6 +28,9 @@ from cachetier.buckets import context_blocks, gather_len
 from cachetier.geometry import default_block_tokens
 from cachetier.layout import C4, HCA_ENTRIES, INDEX_KEYS, KVLayout
 from core.config import ModelConfig
+from kernels.index_topk import index_topk
+from kernels.index_topk_ref import PagedKeys
+from kernels.kv_format import model_codec
 
 MAIN = "main"
 INDEX = "index"
@@ -108,8 +112,15 @@ class DecodeKV(ABC):
         """All HCA entries of each request (every complete one is visible at decode), [batch, gather_len]."""
 
     @abstractmethod
-    def index_keys(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indexer keys [batch, gather_len, index_dim] (zero past the end), and the count per request."""
+    def index_source(self, layer: int) -> PagedKeys:
+        """Where this step finds the layer's indexer keys: each row's blocks of stored keys (gather length
+        `gather_len(csa_rate)`) and its count of complete entries."""
+
+    def index_topk(self, layer: int, q: torch.Tensor, w: torch.Tensor, topk: int) -> torch.Tensor:
+        """The entries the indexer selects this step: q [batch, heads, index_dim] in the keys' space, w [batch, heads]
+        -> ids [batch, min(topk, gather_len)] (-1 = none), by one operation over the stored keys
+        (`kernels.index_topk`); every store runs the same one over the same keys, so they select alike."""
+        return index_topk(q, w, self.index_source(layer), topk)
 
     @abstractmethod
     def c4_segment(self, layer: int, ids: torch.Tensor) -> Segment:
@@ -206,13 +217,19 @@ class LayoutBatch(DecodeKV):
     def hca_segment(self, layer):
         return self._entry_segment(layer, None)
 
-    def index_keys(self, layer):
-        keys = [lay.layers[layer].index_keys for lay in self.layouts]
-        out = keys[0].new_zeros(len(keys), self.gather_len(self.cfg.csa_rate), keys[0].shape[-1])
+    def index_source(self, layer):
+        lks = [lay.layers[layer] for lay in self.layouts]
+        keys = [lk.index_keys for lk in lks]
+        n, width = self.gather_len(self.cfg.csa_rate), keys[0].shape[-1]
+        pool = keys[0].new_zeros(len(keys), n, width)  # every row's keys padded to the gather length, one block table
         for b, k in enumerate(keys):
-            out[b, : k.shape[0]] = k
+            pool[b, : k.shape[0]] = k
         counts = torch.tensor([k.shape[0] for k in keys], device=self.positions.device)
-        return out, counts
+        per = self.block_tokens // self.cfg.csa_rate
+        dev = pool.device
+        starts = (torch.arange(len(keys), device=dev)[:, None] * n + torch.arange(0, n, per, device=dev)) * width
+        codec = model_codec(self.cfg, lks[0].index_compressor.kv.dtype)  # the compute dtype the layouts were made in
+        return PagedKeys(pool.view(-1), starts, counts, per, codec)
 
     def c4_segment(self, layer, ids):
         return self._entry_segment(layer, ids)

@@ -27,6 +27,7 @@ from cachetier.buckets import gather_len
 from cachetier.geometry import block_rows
 from cachetier.layout import HCA_ENTRIES, INDEX_KEYS
 from kernels.host_write import write_rows
+from kernels.index_topk_ref import PagedKeys
 from kernels.resolve import resolve
 
 if TYPE_CHECKING:
@@ -235,10 +236,13 @@ class TieredBatch(DecodeKV):
         rows, _ = self._all_rows("hca", self.g.hca_index[layer], self.s.cfg.hca_rate)
         return Segment(self.s.arena.view(-1, self.g.md), rows)
 
-    def index_keys(self, layer):
-        starts, counts = self._all_rows("index_keys", self.g.csa_index[layer], self.s.cfg.csa_rate)
-        keys = self._take_at(self.g.iw, starts.clamp(min=0)).masked_fill((starts < 0)[..., None], 0)
-        return keys, counts
+    def index_source(self, layer) -> PagedKeys:
+        """The layer's keys in the arena: a page holds each CSA layer's keys of its block consecutively, so a row's
+        block table gives every block's first key (blocks past the row's end are scratch pages, never chosen)."""
+        g = self.g
+        f = g.block_fields["index_keys"]
+        starts = f.start(self.blocks * g.page_elems, g.csa_index[layer] * g.e4)  # [rows, blocks] element offsets
+        return PagedKeys(self.s.arena, starts, entry_counts(self.positions, self.s.cfg.csa_rate), g.e4, g.codec)
 
     def c4_segment(self, layer, ids) -> Segment:
         g, s = self.g, self.s

@@ -14,7 +14,7 @@ from cachetier.batch import INDEX, MAIN, DecodeKV, emitting
 from cachetier.layout import C4, HCA_ENTRIES, INDEX_KEYS, CompressorState
 from core.config import CSA, HCA
 from kernels.attention import sparse_attention
-from model.layers import Attention, Compressor, select_topk
+from model.layers import Attention, Compressor
 from model.rope import Rotary
 
 
@@ -94,11 +94,8 @@ def decode_layer(attn: Attention, store: DecodeKV, layer: int, x: torch.Tensor, 
         idx = attn.indexer
         _compress_step(attn.compressor, store, layer, MAIN, C4, x, rot, codec.pack_main)
         _compress_step(idx.compressor, store, layer, INDEX, INDEX_KEYS, x, rot, codec.pack_index)
-        keys, counts = store.index_keys(layer)  # [batch, len, index row], [batch]
         qi, w = idx.queries(latent, x, rotate)
-        visible = torch.arange(keys.shape[1], device=x.device)[None, :] < counts[:, None]
-        scores = idx.scores(codec.index_query(qi), w, codec.unpack_index(keys))
-        ids = select_topk(scores, visible, idx.topk)  # [batch, k]
+        ids = store.index_topk(layer, codec.index_query(qi), w, idx.topk)  # [batch, k], from the stored keys
         segments.append(store.c4_segment(layer, ids))
     o = sparse_attention(q, [(s.pool, s.rows) for s in segments], attn.attn_sink, attn.scale, codec.main_reader)
     return attn.output(o, lambda t: rot.apply(t, pos, inverse=True))

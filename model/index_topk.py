@@ -5,7 +5,9 @@ scores; among equal scores the lower entry id wins; too few visible entries leav
 Ties are not rare (a score is a weighted sum of ReLUs, so whole groups of entries score exactly 0),
 and torch's own `topk` breaks them arbitrarily, so the rule is made total by ranking *keys*: the
 score's bits made order-preserving in the high 32 bits and `0xFFFFFFFF - id` in the low 32 bits of
-one int64. Distinct keys have one top-k, whichever way it is computed.
+one int64. Distinct keys have one top-k, whichever way it is computed. The keys are made in
+`kernels.index_topk_ref`, where the decode step's indexer (stored keys in, ids out) applies the same
+rule; this module ranks scores a caller has already computed (prefill, training, checks).
 
 `tiled_topk` scores the entries a tile at a time and keeps each query's best k keys, so its transient
 memory is queries x tile whatever the context. Tiles go newest first (recent entries score high, so
@@ -23,35 +25,10 @@ from collections.abc import Callable
 
 import torch
 
-_LOW = 0xFFFFFFFF
-# Key of "no entry": score -inf and the lowest id part, below every real key.
-_NEG_INF_ORD = -2139095041  # order-preserving int32 of float32 -inf (0xFF800000 ^ 0x7FFFFFFF)
-EMPTY_KEY = _NEG_INF_ORD << 32
+from kernels.index_topk_ref import EMPTY_KEY, key_ids, key_scores, merge_keys, selection_keys
+
 GROUP = 64
 """Entries whose best score is compared with a query's k-th best at once, on the CPU path."""
-
-
-def _ordered(scores: torch.Tensor) -> torch.Tensor:
-    """float32 -> int32 with the same order (-0.0 and +0.0 made equal first)."""
-    bits = (scores.float() + 0.0).view(torch.int32)
-    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
-def selection_keys(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Scores [...] and entry ids (broadcastable, < 2**32) -> int64 keys: higher score first, then lower id."""
-    return (_ordered(scores).to(torch.int64) << 32) | (_LOW - ids)
-
-
-def key_scores(keys: torch.Tensor) -> torch.Tensor:
-    """The float32 score each key was made from."""
-    o = (keys >> 32).to(torch.int32)
-    return torch.where(o < 0, o ^ 0x7FFFFFFF, o).view(torch.float32)
-
-
-def key_ids(keys: torch.Tensor) -> torch.Tensor:
-    """Entry id of each key; -1 where the score is -inf (a masked entry, or no entry)."""
-    ids = _LOW - (keys & _LOW)
-    return torch.where((keys >> 32) == _NEG_INF_ORD, -1, ids)
 
 
 SMALL = 256
@@ -72,13 +49,8 @@ def topk_keys(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.T
     return key_ids(keys).view(*scores.shape[:-1], k)
 
 
-def _merge_all(running: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Running best keys [q, k] and a tile's keys [q, t] -> the best k of both, sorted."""
-    return torch.cat((running, keys), dim=1).topk(running.shape[1], dim=1).values
-
-
 def _merge_survivors(running: torch.Tensor, scores: torch.Tensor, first_id: int, tighten: bool = True) -> torch.Tensor:
-    """Like `_merge_all` for a tile's scores [q, t] (any tile order), but only the scores that can
+    """Like `merge_keys` for a tile's scores [q, t] (any tile order), but only the scores that can
     enter the top k are turned into keys and ranked, and only the queries with such scores re-ranked.
 
     A score can enter only if it is at least the query's current k-th best and (with `tighten`,
@@ -101,7 +73,7 @@ def _merge_survivors(running: torch.Tensor, scores: torch.Tensor, first_id: int,
     vals = groups[gr, gg]  # [hit groups, GROUP]
     i, j = ((vals >= thr[gr]) & (vals > float("-inf"))).nonzero(as_tuple=True)
     if i.numel() > scores.numel() // 4:  # bookkeeping per candidate would exceed the keys of the whole tile
-        return _merge_all(running, selection_keys(scores, torch.arange(first_id, first_id + t, device=scores.device)))
+        return merge_keys(running, selection_keys(scores, torch.arange(first_id, first_id + t, device=scores.device)))
     r, c = gr[i], gg[i] * GROUP + j  # row-major: grouped by query
     keys = selection_keys(vals[i, j], c + first_id)  # [survivors]
     rows, row_of, per_row = torch.unique_consecutive(r, return_inverse=True, return_counts=True)
@@ -159,7 +131,7 @@ def tiled_topk(
         if t1 > int(counts[a]):  # some queries see only part of this tile
             s.masked_fill_(ids[None, :] >= counts_dev[a:, None], float("-inf"))
         if exhaustive:
-            running[a:] = _merge_all(running[a:], selection_keys(s, ids))
+            running[a:] = merge_keys(running[a:], selection_keys(s, ids))
         else:
             running[a:] = _merge_survivors(running[a:], s, t0, tighten=step < 2)
     return key_ids(running)

@@ -14,6 +14,7 @@ from torch import nn
 
 from core.config import CSA, HASH_MOE, HCA, ModelConfig
 from core.parallel import WHOLE, Shard
+from kernels.index_topk_ref import entry_scores
 from kernels.kv_format import KVCodec
 from model.index_topk import topk_keys
 
@@ -274,9 +275,7 @@ class Indexer(nn.Module):
             s = torch.matmul(q.float().reshape(t * h, d), k.T).relu_().view(t, h, -1)  # [t, heads, n padded]
             weights = (w * self.head_dim**-0.5).unsqueeze(1)  # [t, 1, heads]
             return torch.bmm(weights, s).squeeze(1)[:, :n]
-        s = torch.einsum("bhd,bnd->bhn", q.float(), keys.float())  # a key set per batch row
-        s = F.relu(s) * self.head_dim**-0.5
-        return (s * w.unsqueeze(-1)).sum(dim=-2)
+        return entry_scores(q, w, keys)  # a key set per batch row: the decode indexer's definition
 
 
 def window_visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:

@@ -38,11 +38,11 @@ class Recorder:
     """Wraps the model's router and indexer selection to record what they pick (the near-tie guard)."""
 
     def __init__(self, model) -> None:
-        import model.attention as attention
+        from cachetier.batch import DecodeKV
 
         self.router: list[torch.Tensor] = []
         self.index: list[torch.Tensor] = []
-        self._attention, self._select = attention, attention.select_topk
+        self._select = DecodeKV.index_topk  # every store's decode selection goes through it
         self._gates = [blk.ffn.gate for blk in model.layers]
         for blk in model.layers:
             gate = blk.ffn.gate
@@ -56,15 +56,17 @@ class Recorder:
 
             gate.forward = forward
 
-        def select(scores, visible, topk):
-            ids = self._select(scores, visible, topk)
+        def select(store, layer, q, w, topk):
+            ids = self._select(store, layer, q, w, topk)
             self.index.append(ids.sort(dim=-1).values.clone())
             return ids
 
-        attention.select_topk = select
+        DecodeKV.index_topk = select
 
     def close(self) -> None:
-        self._attention.select_topk = self._select
+        from cachetier.batch import DecodeKV
+
+        DecodeKV.index_topk = self._select
         for gate in self._gates:
             del gate.forward  # back to the class's method
 
