@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.formats import FP4_BLOCK
-from kernels.moe_align import block_m, expert_blocks
+from kernels.moe_align import BLOCK_M_SIZES, block_m, expert_blocks
 
 # Triton 3.9's interpreter multiplies bf16 dot operands as their raw 16-bit patterns, so under it
 # 16-bit activations take the fp32 dot (exact for e4m3/e2m1 weights); compiled kernels use the bf16 MMA.
@@ -144,6 +144,14 @@ def _fp4_expert_kernel(
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
 
+def largest_block_m(dtype: torch.dtype) -> int:
+    """The tallest row block worth compiling for these activations. The fp32 path's IEEE dot runs on CUDA
+    cores, and at 64 rows its accumulator, decoded tile and activations no longer fit in registers: compiled
+    for sm_90 (`bench.fp4_moe_sass`) its K loop spills and costs 229 instructions per weight against 60 at
+    32 rows, 3.6 against 1.9 per weight and row. Tensor-core dots stay cheaper per row up to 64."""
+    return 32 if dtype == torch.float32 else BLOCK_M_SIZES[-1]
+
+
 @functools.cache
 def _capability_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
@@ -181,7 +189,7 @@ def fp4_expert_matmul_triton(
     elif native and a.dtype != torch.bfloat16:
         raise ValueError(f"the dot_scaled path multiplies bf16 activations, not {a.dtype}")
     pairs = rows.shape[0]
-    bm = block_m(pairs, routed)
+    bm = block_m(pairs, routed, largest_block_m(a.dtype))
     slot_pair, block_expert = expert_blocks(experts, num_experts, bm)
     out = torch.zeros(pairs, n, dtype=a.dtype, device=a.device)  # pairs without an expert stay 0
     grid = (block_expert.shape[0], triton.cdiv(n, block_n))

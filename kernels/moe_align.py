@@ -23,16 +23,18 @@ def expected_rows_per_expert(pairs: int, routed_experts: int) -> float:
     return pairs / max(routed_experts, 1)
 
 
-def block_m(pairs: int, routed_experts: int) -> int:
+def block_m(pairs: int, routed_experts: int, largest: int = BLOCK_M_SIZES[-1]) -> int:
     """BLOCK_M for a grouped expert matmul, from static shapes only (a captured step keeps one choice per batch).
 
     A block's rows past its expert's count are padding the dot still computes, and every further block of
     the same expert decodes that expert's weights again. So the block is the smallest size that holds the
     expected rows of one expert: 16 at decode sizes (12 rows per expert for 64 rows per rank on EP8 of
-    V4-Flash), larger only once prefill-sized batches fill them.
+    V4-Flash), larger only once prefill-sized batches fill them, and never above `largest` (the kernel's
+    register budget for its accumulator).
     """
     rows = expected_rows_per_expert(pairs, routed_experts)
-    return next((size for size in BLOCK_M_SIZES if rows <= size), BLOCK_M_SIZES[-1])
+    sizes = [size for size in BLOCK_M_SIZES if size <= largest] or [BLOCK_M_SIZES[0]]
+    return next((size for size in sizes if rows <= size), sizes[-1])
 
 
 def num_slots(num_pairs: int, num_experts: int, block_m: int) -> int:
