@@ -16,7 +16,8 @@ total budget (`--budget-s`) is enforced: a check gets at most what is left, and 
 rest are recorded as skipped. Without CUDA the checks that need it are skipped, so the runner itself runs
 anywhere; `--device cpu` runs their setup on the CPU instead, at small shapes, Triton under its interpreter.
 
-The checks, in the order they run (the first are the ones a short run must not lose):
+The checks in the order they run (the ones a short run must not lose first), with the time each should take on
+an H200 (estimates: nothing has run there yet; each one's timeout, larger, is in `--list`):
 - `versions` (10 s): torch, CUDA, Triton, driver, device, SMs, memory, bf16/fp8, the memlock limit, packages;
 - `kernels` (<= 60 s): packed `v4` sparse attention at 64 heads x 512 dims (64 rope) x 64 rows and plain
   attention, prefill attention (packed and plain), the hot-buffer resolve at k=512 over a registered host pool
@@ -29,7 +30,7 @@ The checks, in the order they run (the first are the ones a short run must not l
   formats, tier on/off, packed/dense, fp32/bf16), then that step captured and replayed;
 - `engine` (<= 60 s): `InProcessEngine` on CUDA, 8 requests with prompt log-probabilities and two seeded
   sampled ones (the same tokens over two runs and alone vs in the batch);
-- `generate` (<= 60 s): `python -m cluster.cli generate --json` says it ran on CUDA in bf16;
+- `generate` (<= 60 s): `python -m hisparse.cli generate --json` says it ran on CUDA in bf16;
 - `packed_weights` (<= 120 s): `bench.gpu_check_weights` (FP8 / FP4 kernels, the real-format checkpoint,
   TFLOP/s at V4-Flash shapes for M in 1, 64, 1024, the Inductor compile last).
 The checks import only what the lent machine has (torch, triton, numpy, safetensors, tokenizers,
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import signal
 import subprocess
@@ -57,6 +59,8 @@ DEFAULT_BUDGET_S = 450.0
 """The whole run: 7.5 minutes, inside the 8 a lent H200's 15 leave for one run, a rerun and the machine's start."""
 MIN_START_S = 20.0
 """A check starts only with at least this much budget left (or its whole timeout, if that is shorter)."""
+CPU_DEBUG_SLOWER = 4
+"""`--device cpu`: timeouts are this many times the GPU's (the interpreter and CPU kernels are slower; budget still holds)."""
 TAIL_CHARS = 3000
 """Characters of a check's output (and of a traceback) kept in its JSON line."""
 
@@ -128,16 +132,7 @@ def _child_env(debug_cpu: bool) -> dict[str, str]:
     return env
 
 
-def _tail(path: Path) -> str:
-    try:
-        return path.read_text(errors="replace")[-TAIL_CHARS:]
-    except OSError:
-        return ""
-
-
 def _read_result(path: Path) -> dict | None:
-    import json
-
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -147,7 +142,7 @@ def _read_result(path: Path) -> dict | None:
 def _status(rc: int | None, result: dict | None) -> str:
     if rc is None:
         return "timeout"
-    if result is None or "error" in result:
+    if rc != 0 or result is None or "error" in result:  # raised, or died (a result then holds what it had recorded)
         return "error"
     return "pass" if result.get("ok") is True else "fail"
 
@@ -164,9 +159,8 @@ def _run_one(check: Check, timeout_s: float, device: str, debug_cpu: bool, log) 
             try:
                 rc: int | None = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # the child leads its own process group: it and what it started
-                proc.wait()
                 rc = None
+            _kill_group(proc)  # what a killed (or finished) check left running must not hold the GPU for the next one
         seconds = round(time.monotonic() - t0, 2)
         result, output = _read_result(result_path), output_path.read_bytes().decode(errors="replace")
         log.write(f"\n===== {check.name} (rc {rc}, {seconds} s) =====\n{output}")
@@ -177,6 +171,18 @@ def _run_one(check: Check, timeout_s: float, device: str, debug_cpu: bool, log) 
         line["rc"] = rc
         line["output_tail"] = output[-TAIL_CHARS:]
     return line
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the child's process group (it leads its own session): the child, if still running, and what it started."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing of it is left
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:  # stuck in the driver: go on, the next check may still run
+        pass
 
 
 def _skip(check: Check, why: str) -> dict:
@@ -204,7 +210,8 @@ def run_checks(checks: list[Check], device: str, out_dir: Path, budget_s: float)
             elif left < min(MIN_START_S, check.timeout_s):
                 line = _skip(check, f"budget spent ({left:.0f} s of {budget_s:.0f} s left)")
             else:
-                line = _run_one(check, min(check.timeout_s, left), run_on, device == "cpu", log)
+                timeout = check.timeout_s * (CPU_DEBUG_SLOWER if device == "cpu" else 1)
+                line = _run_one(check, min(timeout, left), run_on, device == "cpu", log)
             lines.append(line)
             text = dumps(line)
             with open(jsonl, "a") as f:

@@ -1,4 +1,4 @@
-"""`generate`: `python -m cluster.cli generate --json` in a subprocess, as a user runs it on a GPU machine: its
+"""`generate`: `python -m hisparse.cli generate --json` in a subprocess, as a user runs it on a GPU machine: its
 JSON must name the GPU and the serving dtype (`core.device.serving_dtype`: bf16 on CUDA). Only the command's
 own imports matter here, so this module imports nothing heavy itself (`core.device` loads torch only when asked)."""
 
@@ -18,7 +18,7 @@ TOKENS = 8
 
 
 def generate(ctx: Ctx) -> dict:
-    cmd = [sys.executable, "-m", "cluster.cli", "generate", "--prompt-ids", "1,2,3", "--max-tokens", str(TOKENS), "--json",
+    cmd = [sys.executable, "-m", "hisparse.cli", "generate", "--prompt-ids", "1,2,3", "--max-tokens", str(TOKENS), "--json",
            "--max-running", "8"]
     if not ctx.cuda:
         cmd += ["--decode-mode", "eager"]  # a CPU debug run: no Inductor compile

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from bench.gpu_check_util import Ctx
+from bench.gpu_check_util import Ctx, runner_state
 from cluster.inprocess import InProcessEngine
 from core import device as devices
 from core.request import Request
@@ -77,13 +77,13 @@ def engine(ctx: Ctx) -> dict:
     batch_s = round(time.perf_counter() - t0, 2)
     first = {name: c.token_ids for name, c in done.items()}
     second = {name: c.token_ids for name, c in _run(eng, _requests(vocab, "b")).items()}
-    ctx.record("runs", {"startup_s": startup_s, "batch_s": batch_s, "tokens": first, "decode": eng.decode.stats().get("step")})
+    ctx.record("runs", {"startup_s": startup_s, "batch_s": batch_s, "tokens": first, "decode": runner_state(eng.decode.runner)})
     alone = {}
     for s in SEEDS:
         name = f"seeded{s}"
         alone[name] = _run(eng, {name: _requests(vocab, f"alone{s}")[name]})[name].token_ids
     logprobs = _prompt_logprobs(model, reqs["logprobs"], done["logprobs"].prompt_logprobs or [])
-    mode = eng.decode.stats()["step"].mode
+    mode = eng.decode.runner.mode
     eng.close()
     same_runs = first == second
     alone_same = {name: toks == first[name] for name, toks in alone.items()}

@@ -27,7 +27,7 @@ def jsonable(value):
 
 
 def dumps(obj) -> str:
-    return json.dumps(obj, default=jsonable)
+    return json.dumps(obj, default=jsonable, skipkeys=True)  # a key that is not text is left out, not fatal
 
 
 class Ctx:
@@ -59,6 +59,13 @@ class Ctx:
         tmp = self.result_path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(body)
         os.replace(tmp, self.result_path)  # the runner never reads half a file
+
+
+def runner_state(runner) -> dict:
+    """A decode worker's step runner as figures: read from its attributes, which outlive its `stats()` format."""
+    return {"mode": runner.mode, "graphs": len(runner.graphs), "capture_s": round(runner.capture_s, 3),
+            "uncaptured_steps": runner.eager_steps, "pending_captures": len(runner.pending_captures),
+            "compiles": runner.compiles}
 
 
 def synchronize(device: str) -> None:

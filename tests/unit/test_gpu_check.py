@@ -102,7 +102,8 @@ def test_every_status_is_recorded_and_the_run_goes_on(hiding_env, tmp_path):
     hung = by["_hang"]
     assert hung["status"] == "timeout" and hung["timeout_s"] == BY_NAME["_hang"].timeout_s
     assert hung["result"] == {"started": True}  # what it recorded before it was killed
-    assert by["_crash"]["status"] == "error" and by["_crash"]["rc"] == 3
+    crashed = by["_crash"]
+    assert crashed["status"] == "error" and crashed["rc"] == 3 and crashed["result"] == {"before": 1}
     if torch.cuda.is_available():
         assert by["_cuda"]["status"] == "pass"
     else:
