@@ -172,20 +172,6 @@ def _fold_rows(q, m, denom, acc, pool_ptr, rows, ok, pool_stride_row, pool_strid
 
 
 @triton.jit
-def _attend_segment(q, m, denom, acc, pool_ptr, pool_stride_row, pool_stride_d, rows_ptr, rows_stride_b, rows_stride_j,
-                    seg_len, b, offs_d, in_d, scale, BLOCK_L: tl.constexpr, PACKED_NOPE: tl.constexpr,
-                    SCALE_OFF: tl.constexpr):
-    """Fold `pool[rows[b, :seg_len]]` in, in fp32 (the prefill kernel's segment walk)."""
-    offs_l = tl.arange(0, BLOCK_L)
-    for start in range(0, seg_len, BLOCK_L):
-        in_l = start + offs_l < seg_len
-        rows = tl.load(rows_ptr + b * rows_stride_b + (start + offs_l) * rows_stride_j, mask=in_l, other=-1)  # [BLOCK_L]
-        m, denom, acc = _fold_rows(q, m, denom, acc, pool_ptr, rows, rows >= 0, pool_stride_row, pool_stride_d,
-                                   offs_d, in_d, scale, PACKED_NOPE, SCALE_OFF)
-    return m, denom, acc
-
-
-@triton.jit
 def _attend_slice(q, m, denom, acc, pool_ptr, stride_row, stride_d, rows_ptr, rows_stride_b, rows_stride_j, seg_len,
                   seg_start, lo, hi, b, offs_d, in_d, scale, BLOCK_T: tl.constexpr, PACKED_NOPE: tl.constexpr,
                   SCALE_OFF: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -202,6 +188,15 @@ def _attend_slice(q, m, denom, acc, pool_ptr, stride_row, stride_d, rows_ptr, ro
                       tl.bfloat16 if BF16 else tl.float32)  # [T, D]
         m, denom, acc = _fold_tile(q, m, denom, acc, kv, ok, scale, BF16, INTERPRETED)
     return m, denom, acc
+
+
+@triton.jit
+def _attend_segment(q, m, denom, acc, pool_ptr, pool_stride_row, pool_stride_d, rows_ptr, rows_stride_b, rows_stride_j,
+                    seg_len, b, offs_d, in_d, scale, BLOCK_L: tl.constexpr, PACKED_NOPE: tl.constexpr,
+                    SCALE_OFF: tl.constexpr):
+    """Fold `pool[rows[b, :seg_len]]` in, in fp32 (the prefill kernel's segment walk): the whole segment as one slice."""
+    return _attend_slice(q, m, denom, acc, pool_ptr, pool_stride_row, pool_stride_d, rows_ptr, rows_stride_b, rows_stride_j,
+                         seg_len, 0, 0, seg_len, b, offs_d, in_d, scale, BLOCK_L, PACKED_NOPE, SCALE_OFF, False, False)
 
 
 @triton.jit
