@@ -3,8 +3,9 @@
 
 Admission is decided before a response starts: a request over the in-flight limit gets 429, never a
 stream that fails later. A client that disconnects — streaming or not — aborts its request on every
-actor. Blocking work stays off the event loop: the actors start on a worker thread, long prompts are
-tokenized on one, and the chat template is compiled once.
+actor. Blocking work stays off the event loop: the actors start on a worker thread; a prompt that cannot
+fit the context is refused by its byte length before it is tokenized, long ones are rendered and tokenized
+on the gateway's tokenizer pool with the GIL released (`api.prompts`); the chat template is compiled once.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import time
 from contextlib import asynccontextmanager
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
@@ -33,9 +35,9 @@ from api.gateway import (
     usage,
 )
 from api.metrics import Metrics
-from api.middleware import GatewayMiddleware
+from api.middleware import GatewayMiddleware, redact_access_log
 from api.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from api.text import Piece, token_text
+from api.text import Piece
 from core.roles import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -143,28 +145,35 @@ def echo_waits_for_scores(fmt, job: Job) -> bool:
     return bool(job.echo) and isinstance(fmt, CompletionFormat) and fmt.logprobs and job.sampling.prompt_logprobs is not None
 
 
-async def _prompts(g: Gateway, prompt) -> tuple[list[list[int]], list[str]]:
-    """The prompt field in all its forms -> token-id lists and their texts (for echo)."""
+async def _prompts(g: Gateway, prompt, echo: bool) -> tuple[list[list[int]], list[str]]:
+    """The prompt field in all its forms -> token-id lists and, when echoed, their texts ("" otherwise)."""
     if isinstance(prompt, str):
         items = [prompt]
-    elif prompt and all(isinstance(x, int) for x in prompt):
-        items = [list(prompt)]
+    elif prompt and isinstance(prompt[0], int):  # the schema's lists hold one type: these are ids
+        items = [prompt]
     else:
         items = list(prompt)
     if not items:
         raise bad_request("the prompt is empty", "prompt")
     ids, texts = [], []
     for it in items:
+        if not it:
+            raise bad_request("the prompt is empty", "prompt")
         if isinstance(it, str):
-            if not it:
-                raise bad_request("the prompt is empty", "prompt")
             ids.append(await g.encode(it))
             texts.append(it)
         else:
-            g.check_ids(list(it))
-            ids.append(list(it))
-            texts.append(g.tok.decode(list(it)) if g.tok is not None else "")
+            g.check_prompt_length(len(it))  # before reading the ids: a list of millions is refused unread
+            g.check_ids(it)
+            ids.append(it)
+            texts.append(await g.text.decode(it) if echo and g.tok is not None else "")
     return ids, texts
+
+
+def _json(obj) -> Response:
+    """A JSON body encoded in one C call: FastAPI's default walks every item in Python first, which for the
+    million-id lists /tokenize can return would hold the loop for a second."""
+    return Response(orjson.dumps(obj), media_type="application/json")
 
 
 def build_app(service, cfg: ServerConfig | None = None, manage_service: bool = True,
@@ -177,9 +186,11 @@ def build_app(service, cfg: ServerConfig | None = None, manage_service: bool = T
             await service.start()
         app.state.gw = Gateway(service, cfg, metrics_factory)
         log.info("serving %s", service.model_name)
+        redact_access_log()
         try:
             yield
         finally:
+            app.state.gw.close()
             if manage_service:
                 await service.stop()
 
@@ -215,11 +226,11 @@ def build_app(service, cfg: ServerConfig | None = None, manage_service: bool = T
             raise bad_request("suffix is not supported", "suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise bad_request("best_of other than n is not supported", "best_of")
-        prompts, texts = await _prompts(g, body.prompt)
+        prompts, texts = await _prompts(g, body.prompt, body.echo)
         g.check_fanout(len(prompts), body.n)
         stops = g.stops(body.stop)
         samplings = [g.sampling(body, body.max_tokens, len(p), body.logprobs, echo=body.echo) for p in prompts]
-        jobs = g.jobs(prompts, samplings, body.n, [t if body.echo else "" for t in texts])
+        jobs = g.jobs(prompts, samplings, body.n, texts)
         prompt_tokens = sum(len(p) for p in prompts)
         fmt = CompletionFormat(g.tok, body.logprobs is not None)
         return await respond(g, request, jobs, stops, prompt_tokens, body, fmt)
@@ -236,7 +247,7 @@ def build_app(service, cfg: ServerConfig | None = None, manage_service: bool = T
         g.check_fanout(1, body.n)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        sp = g.sampling(body, max_tokens, len(ids), logprobs)
+        sp = g.sampling(body, max_tokens, len(ids), logprobs, prompt_param="messages")
         stops = g.stops(body.stop)
         jobs = g.jobs([ids], [sp], body.n, [""])
         fmt = ChatFormat(g.tok, logprobs is not None)
@@ -250,21 +261,20 @@ def build_app(service, cfg: ServerConfig | None = None, manage_service: bool = T
         if body.messages is not None:
             ids = await _chat_ids(g, body.messages)
         elif body.prompt is not None:
-            ids = await g.encode(body.prompt, body.add_special_tokens)
+            ids = await g.encode(body.prompt, "prompt", body.add_special_tokens)
         else:
             raise bad_request("send `prompt` (text) or `messages` (chat)", "prompt")
-        out = {"count": len(ids), "max_model_len": g.model_cfg.max_position_embeddings, "tokens": ids}
-        out["token_strs"] = [token_text(g.tok, i) for i in ids] if body.return_token_strs else None
-        return out
+        strs = await g.text.token_texts(ids) if body.return_token_strs else None
+        return _json({"count": len(ids), "max_model_len": g.model_cfg.max_position_embeddings, "tokens": ids,
+                      "token_strs": strs})
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request):
         g = gw(request)
         g.check_model(body.model)
         g.require_tokenizer("tokens")
-        if any(not 0 <= t < g.model_cfg.vocab_size for t in body.tokens):
-            raise bad_request(f"token ids must be in 0..{g.model_cfg.vocab_size - 1}", "tokens")
-        return {"prompt": await g.off_loop(g.tok.decode, body.tokens, size=len(body.tokens))}
+        g.check_ids(body.tokens, "tokens")
+        return _json({"prompt": await g.text.decode(body.tokens)})
 
     return app
 
@@ -272,7 +282,7 @@ def build_app(service, cfg: ServerConfig | None = None, manage_service: bool = T
 async def _chat_ids(g: Gateway, messages) -> list[int]:
     msgs = [{"role": m.role, "content": m.text()} for m in messages]
     try:
-        return await g.off_loop(g.tok.encode_chat, msgs, size=sum(len(m["content"]) for m in msgs))
+        return await g.text.encode_chat(msgs, "messages")
     except ValueError as e:  # the template failed on these messages (the tokenizer's error says how)
         raise bad_request(str(e), "messages") from None
 

@@ -25,6 +25,8 @@ class ApiError(Exception):
 
     def response(self, request_id: str | None = None) -> JSONResponse:
         headers = {}
+        if self.status == 401:  # RFC 9110: a 401 names the scheme that would be accepted
+            headers["WWW-Authenticate"] = "Bearer"
         if self.retry_after is not None:
             headers["Retry-After"] = str(max(1, int(round(self.retry_after))))
         if request_id:

@@ -23,6 +23,7 @@ import orjson
 from api import errors
 from api.errors import ApiError, bad_request
 from api.metrics import Metrics
+from api.prompts import OffLoopTokenizer
 from api.text import Piece, TextStream, chat_logprobs, completion_logprobs
 from core.roles import ServerConfig
 from core.types import MAX_LOGPROBS, GenerateRequest, PromptLogprob, SamplingParams
@@ -31,8 +32,6 @@ log = logging.getLogger(__name__)
 MAX_N = 16
 MAX_STOPS = 16
 CHAT_DEFAULT_MAX_TOKENS = 4096
-OFF_LOOP_CHARS = 4096
-"""Texts longer than this are tokenized on a worker thread, so a long prompt never stalls other streams."""
 
 
 @dataclass
@@ -63,6 +62,11 @@ class Gateway:
         self.model_cfg = service.model_cfg
         self.metrics = metrics_factory(self.model_name, lambda: service.frontend.stats() if service.frontend else {})
         self.inflight = 0
+        self.text = OffLoopTokenizer(self.tok, self.model_cfg.max_position_embeddings) if self.tok is not None else None
+
+    def close(self) -> None:
+        if self.text is not None:
+            self.text.close()
 
     @property
     def frontend(self):
@@ -79,18 +83,21 @@ class Gateway:
         if self.tok is None:
             raise bad_request("this model has no tokenizer; send the prompt as token ids", param)
 
-    async def off_loop(self, fn, *args, size: int = 0):
-        """Run a blocking `fn` on a worker thread when `size` says it is big; inline otherwise."""
-        if size <= OFF_LOOP_CHARS:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    async def encode(self, text: str, param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's ids: refused at once if its bytes cannot fit the context, tokenized off the loop if long."""
+        self.require_tokenizer(param)
+        return await self.text.encode(text, param, add_special_tokens)
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        self.require_tokenizer()
-        return await self.off_loop(self.tok.encode, text, add_special_tokens, size=len(text))
+    def check_prompt_length(self, n: int, param: str = "prompt") -> None:
+        """A prompt longer than the context on its own (the check against max_tokens is in `sampling`)."""
+        context = self.model_cfg.max_position_embeddings
+        if n > context:
+            raise bad_request(f"this model's context is {context} tokens; the prompt has {n}; shorten it", param)
 
-    def sampling(self, body, max_tokens: int | None, prompt_len: int, logprobs: int | None, echo: bool = False) -> SamplingParams:
+    def sampling(self, body, max_tokens: int | None, prompt_len: int, logprobs: int | None, echo: bool = False,
+                 prompt_param: str = "prompt") -> SamplingParams:
         cfg = self.model_cfg
+        self.check_prompt_length(prompt_len, prompt_param)
         if body.n < 1 or body.n > MAX_N:
             raise bad_request(f"n must be between 1 and {MAX_N}", "n")
         if body.presence_penalty or body.frequency_penalty:
@@ -127,13 +134,12 @@ class Gateway:
             raise bad_request(f"at most {MAX_STOPS} stop strings", "stop")
         return stops
 
-    def check_ids(self, ids: list[int]) -> None:
-        if not ids:
-            raise bad_request("the prompt is empty", "prompt")
+    def check_ids(self, ids: list[int], param: str = "prompt") -> None:
+        """Token ids (ints, by the schema) inside the vocabulary."""
         v = self.model_cfg.vocab_size
-        bad = [i for i in ids if not 0 <= i < v]
-        if bad:
-            raise bad_request(f"token ids {bad[:5]} are outside the vocabulary (0..{v - 1})", "prompt")
+        if ids and (min(ids) < 0 or max(ids) >= v):  # two passes in C; the offenders are listed only if there are any
+            bad = [i for i in ids if not 0 <= i < v]
+            raise bad_request(f"token ids {bad[:5]} are outside the vocabulary (0..{v - 1})", param)
 
     def check_fanout(self, num_prompts: int, n: int) -> None:
         cap = self.cfg.max_sequences_per_request

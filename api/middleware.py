@@ -1,4 +1,5 @@
-"""ASGI middleware that runs before any route: the request id, the API key, the body size limit.
+"""ASGI middleware that runs before any route: the request id, the API key, the body size limit; and
+the access log's redaction of keys sent in a query string.
 
 Plain ASGI (not Starlette's BaseHTTPMiddleware), so streaming responses pass through untouched and a
 refused request costs no body parsing.
@@ -7,8 +8,10 @@ refused request costs no body parsing.
 from __future__ import annotations
 
 import hmac
+import logging
 import re
 import uuid
+from urllib.parse import unquote_plus
 
 from api.errors import ApiError
 
@@ -16,6 +19,9 @@ MAX_REQUEST_ID = 128
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:/+=@-]")
 OPEN_PATHS = ("/health", "/metrics")
 """Routes that stay open with an API key set (probes and scrapers)."""
+SECRET_QUERY_PARAMS = frozenset({"api_key", "api-key", "apikey", "key", "access_token", "token"})
+"""Query parameters whose values are never logged. Keys are only read from `Authorization`, but clients
+send them in the URL anyway, and the access log writes every URL."""
 
 
 def clean_request_id(raw: str | None) -> str:
@@ -26,6 +32,39 @@ def clean_request_id(raw: str | None) -> str:
         if cleaned:
             return cleaned
     return uuid.uuid4().hex
+
+
+def query_secret_names(query: str) -> list[str]:
+    """The secret-looking parameter names in a query string (as sent)."""
+    pairs = (p.partition("=") for p in query.split("&"))
+    return [name for name, eq, _ in pairs if eq and unquote_plus(name).lower() in SECRET_QUERY_PARAMS]
+
+
+def redact_query(target: str) -> str:
+    """`path?query` with the value of every secret-looking parameter written as `***`."""
+    path, sep, query = target.partition("?")
+    if not sep:
+        return target
+    secret = set(query_secret_names(query))
+    return path + "?" + "&".join(f"{p.partition('=')[0]}=***" if p.partition("=")[0] in secret else p for p in query.split("&"))
+
+
+class RedactedAccessLog(logging.Filter):
+    """Rewrites the request target of every access-log record (uvicorn passes it as an argument) before
+    any handler formats it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact_query(a) if isinstance(a, str) and "?" in a else a for a in record.args)
+        return True
+
+
+def redact_access_log(name: str = "uvicorn.access") -> None:
+    """Install the redaction on the access logger (once per process; called when the app starts, after
+    uvicorn has configured its loggers)."""
+    logger = logging.getLogger(name)
+    if not any(isinstance(f, RedactedAccessLog) for f in logger.filters):
+        logger.addFilter(RedactedAccessLog())
 
 
 def bearer_matches(header: str | None, key: str) -> bool:
@@ -56,8 +95,10 @@ class GatewayMiddleware:
             await send(message)
 
         if self.api_key and not scope["path"].startswith(OPEN_PATHS) and not bearer_matches(headers.get("authorization"), self.api_key):
-            err = ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`", "authentication_error",
-                           code="invalid_api_key")
+            msg = "missing or wrong API key: send `Authorization: Bearer <key>`"
+            if query_secret_names(scope.get("query_string", b"").decode("latin-1")):
+                msg += " (a key in the query string is not read: URLs end up in logs)"
+            err = ApiError(401, msg, "authentication_error", code="invalid_api_key")
             return await err.response(rid)(scope, receive, send_with_id)
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:

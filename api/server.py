@@ -24,6 +24,7 @@ import httpx
 import uvicorn
 
 from api.app import build_app
+from api.http_protocol import HEADER_TIMEOUT_ATTR, HEADER_TIMEOUT_S, protocol_class
 from cluster.launch import connect, gcs_address, start_ray, stop_ray
 from cluster.service import Service
 from core.roles import ServeConfig
@@ -39,14 +40,24 @@ def http_stack() -> tuple[str, str]:
     return loop, http
 
 
-def _uvicorn_config(app, config: ServeConfig, **kwargs) -> uvicorn.Config:
+def uvicorn_config(app, host: str, port: int, header_timeout_s: float = HEADER_TIMEOUT_S, http: str | None = None,
+                   **kwargs) -> uvicorn.Config:
+    """uvicorn's config for the gateway (the serve command, tests and benchmarks): the fastest stack installed
+    (or the `http` parser named), with the header-read deadline (`api.http_protocol`)."""
+    loop, fastest = http_stack()
+    config = uvicorn.Config(app, host=host, port=port, loop=loop, http=protocol_class(http or fastest), **kwargs)
+    setattr(config, HEADER_TIMEOUT_ATTR, header_timeout_s)
+    return config
+
+
+def _serve_config(app, config: ServeConfig, **kwargs) -> uvicorn.Config:
     loop, http = http_stack()
     log.info("HTTP: %s event loop, %s parser, %d gateway process(es)", loop, http, config.server.api_workers)
     if (loop, http) != ("uvloop", "httptools"):
         log.warning("uvloop/httptools are not installed: the gateway runs on the slower pure-Python stack "
                     "(pip install 'uvicorn[standard]')")
-    return uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level="info", loop=loop, http=http,
-                          timeout_graceful_shutdown=30, lifespan="on", **kwargs)
+    return uvicorn_config(app, config.server.host, config.server.port, log_level="info", timeout_graceful_shutdown=30,
+                          lifespan="on", **kwargs)
 
 
 def run_server(config: ServeConfig) -> int:
@@ -68,7 +79,7 @@ def run_server(config: ServeConfig) -> int:
         if config.server.api_workers > 1:
             service.start_actors()
             return _run_workers(config)
-        server = uvicorn.Server(_uvicorn_config(build_app(service, config.server), config))
+        server = uvicorn.Server(_serve_config(build_app(service, config.server), config))
         try:
             server.run()
         except SystemExit as e:
@@ -92,8 +103,10 @@ def _run_workers(config: ServeConfig) -> int:
     loop, http = http_stack()
     log.info("HTTP: %s event loop, %s parser, %d gateway processes", loop, http, config.server.api_workers)
     try:
+        # the workers' protocol reads the header deadline's default (uvicorn.run builds the config itself)
         uvicorn.run("api.server:worker_app", factory=True, workers=config.server.api_workers, host=config.server.host,
-                    port=config.server.port, log_level="info", loop=loop, http=http, timeout_graceful_shutdown=30)
+                    port=config.server.port, log_level="info", loop=loop, http=protocol_class(http),
+                    timeout_graceful_shutdown=30)
     except SystemExit as e:
         if e.code not in (signal.SIGTERM, signal.SIGINT):
             raise
@@ -120,9 +133,7 @@ class BackgroundServer:
     def __init__(self, service: Service, config: ServeConfig, port: int) -> None:
         self.service = service
         self.app = build_app(service, config.server)
-        loop, http = http_stack()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning",
-                                                    lifespan="on", loop=loop, http=http))
+        self.server = uvicorn.Server(uvicorn_config(self.app, "127.0.0.1", port, log_level="warning", lifespan="on"))
         self.url = f"http://127.0.0.1:{port}"
         self.thread = threading.Thread(target=self.server.run, name="gateway", daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -7,7 +7,9 @@ in-process under httpx's ASGI transport.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import math
 
 import httpx
 import pytest
@@ -41,7 +43,7 @@ class ScriptedFrontend:
     def stats(self) -> dict:
         return {}
 
-    async def generate(self, req, seed):
+    async def generate(self, req, seed=None):  # the seed is on the request where the frontend takes one argument
         self.started += 1
         try:
             sp = req.sampling
@@ -70,9 +72,11 @@ def _tok(t: int, sp) -> SampledToken:
 
 
 class FakeService:
-    def __init__(self, frontend) -> None:
+    def __init__(self, frontend, context: int | None = None) -> None:
         self.tokenizer = load_tokenizer(SHIPPED)
         self.model_cfg = load_config(SHIPPED, name="tiny")
+        if context is not None:  # a model with a shorter context than the built-in one's 1M tokens
+            self.model_cfg = dataclasses.replace(self.model_cfg, max_position_embeddings=context)
         self.model_name = "tiny"
         self.frontend = frontend
 
@@ -88,13 +92,13 @@ def tok():
     return load_tokenizer(SHIPPED)
 
 
-def _client(frontend, **server) -> httpx.AsyncClient:
-    app = build_app(FakeService(frontend), ServerConfig(**server))
+def _client(frontend, context: int | None = None, **server) -> httpx.AsyncClient:
+    app = build_app(FakeService(frontend, context), ServerConfig(**server))
     return app, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw")
 
 
-async def _with_app(frontend, fn, **server):
-    app, client = _client(frontend, **server)
+async def _with_app(frontend, fn, context: int | None = None, **server):
+    app, client = _client(frontend, context, **server)
     async with app.router.lifespan_context(app), client:
         return await fn(client)
 
@@ -217,8 +221,96 @@ def test_api_key_guards_v1_but_not_probes():
     no, wrong, ok, tokenize, health, metrics = asyncio.run(_with_app(ScriptedFrontend([7]), go, api_key="s3cret"))
     for r in (no, wrong, tokenize):
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert r.headers["www-authenticate"] == "Bearer"
         assert "s3cret" not in r.text
     assert ok.status_code == 200 and health.status_code == 200 and metrics.status_code == 200
+
+
+def test_token_ids_are_integers_never_booleans():
+    """JSON true/false would pass as ids 1/0 (Python bools are ints): a 400 naming the field; ids written as
+    strings or floats are type errors (422), as every other mistyped field is."""
+    async def go(client):
+        return [
+            await client.post("/v1/completions", json={"prompt": [True, 2], "max_tokens": 2}),
+            await client.post("/v1/completions", json={"prompt": [[5], [6, False]], "max_tokens": 2}),
+            await client.post("/detokenize", json={"tokens": [40, True]}),
+            await client.post("/v1/completions", json={"prompt": ["1", 2], "max_tokens": 2}),
+            await client.post("/v1/completions", json={"prompt": [5.0], "max_tokens": 2}),
+            await client.post("/v1/completions", json={"prompt": [0, 2], "max_tokens": 2}),
+        ]
+
+    flat, nested, detok, strings, floats, ok = asyncio.run(_with_app(ScriptedFrontend([7]), go))
+    for r, param, where in ((flat, "prompt", "prompt[0]"), (nested, "prompt", "prompt[1][1]"), (detok, "tokens", "tokens[1]")):
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and where in err["message"] and err["type"] == "invalid_request_error"
+    assert strings.status_code == 422 and floats.status_code == 422
+    assert ok.status_code == 200  # 0 is an id like any other
+
+
+def test_a_prompt_longer_than_the_context_is_refused_naming_the_prompt(tok):
+    """Ids: by their count, before any id is read. Text: by its bytes when it cannot fit even at the tokenizer's
+    densest, otherwise by its tokens; chat: the same, naming `messages`."""
+    from api.prompts import densest_bytes_per_token
+
+    densest = densest_bytes_per_token(json.loads(tok.inner.to_str()))
+    context = 1000
+    over = "é" * (context // 2 + 10)  # few bytes, but every byte is a token of its own
+    assert len(over.encode()) <= densest * context  # the byte bound cannot refuse it: its tokens must be counted
+    assert len(tok.encode(over, add_special_tokens=False)) > context
+
+    async def go(client):
+        return [
+            await client.post("/v1/completions", json={"prompt": [5] * (context + 1), "max_tokens": 1}),
+            await client.post("/v1/completions", json={"prompt": "a" * (densest * context + 1), "max_tokens": 1}),
+            await client.post("/v1/completions", json={"prompt": over, "max_tokens": 1}),
+            await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": over}]}),
+            await client.post("/tokenize", json={"prompt": "a" * (densest * context + 1)}),
+            await client.post("/tokenize", json={"prompt": over}),
+            await client.post("/v1/completions", json={"prompt": [5] * (context - 1), "max_tokens": 1}),
+        ]
+
+    ids, by_bytes, by_tokens, chat, tok_bytes, tok_count, fits = asyncio.run(_with_app(ScriptedFrontend([7]), go, context=context))
+    for r, param in ((ids, "prompt"), (by_bytes, "prompt"), (by_tokens, "prompt"), (chat, "messages"), (tok_bytes, "prompt")):
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and f"context is {context} tokens" in err["message"]
+    assert "bytes" in by_bytes.json()["error"]["message"] and "bytes" in tok_bytes.json()["error"]["message"]
+    assert tok_count.status_code == 200 and tok_count.json()["count"] > context  # counting is what /tokenize is for
+    assert fits.status_code == 200
+
+
+def test_the_densest_bytes_per_token_bound_holds_and_is_claimed_only_where_provable(tok):
+    from api.prompts import densest_bytes_per_token
+
+    spec = json.loads(tok.inner.to_str())
+    densest = densest_bytes_per_token(spec)
+    assert densest == max(len(a) + len(b) for a, b in spec["model"]["merges"])  # the built-in vocabulary's longest merge
+    # the texts that come closest: runs of the densest token, special tokens back to back, one byte repeated
+    longest = max(("".join(p) for p in spec["model"]["merges"]), key=len)
+    dense = tok.decode([tok.inner.token_to_id(longest)], skip_special=False)
+    assert len(dense.encode()) == densest
+    for text in (dense * 500, "<|assistant|><|user|>" * 300, "a" * 5000, "ünï✓ " * 700):
+        n = len(tok.encode(text, add_special_tokens=False))
+        assert n >= math.ceil(len(text.encode()) / densest), text[:20]
+
+    def without(change) -> int | None:
+        s = json.loads(json.dumps(spec))
+        change(s)
+        return densest_bytes_per_token(s)
+
+    assert without(lambda s: s.update(normalizer={"type": "Sequence", "normalizers": []})) == densest
+    assert without(lambda s: s.update(normalizer={"type": "NFC"})) is None  # composing can shrink text
+    assert without(lambda s: s["added_tokens"][0].update(lstrip=True)) is None  # swallows any run of spaces
+    assert without(lambda s: s.update(pre_tokenizer={"type": "Sequence", "pretokenizers": [
+        {"type": "WhitespaceSplit"}, spec["pre_tokenizer"]]})) is None  # drops the spaces
+    assert without(lambda s: s.update(pre_tokenizer={"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"String": "x"}, "behavior": "Removed", "invert": False}, spec["pre_tokenizer"]]})) is None
+    assert without(lambda s: s["model"]["vocab"].pop("Ġ")) is None  # a byte the vocabulary cannot write is dropped
+    assert without(lambda s: s.update(truncation={"max_length": 8, "strategy": "LongestFirst", "stride": 0,
+                                                  "direction": "Right"})) is None
+    assert without(lambda s: s["model"].update(ignore_merges=True)) == max(
+        [max(map(len, spec["model"]["vocab"]))] + [len(a["content"].encode()) for a in spec["added_tokens"]])
 
 
 def test_body_limit_and_request_id_cleaning():
@@ -281,7 +373,7 @@ def test_streaming_text_never_re_decodes_the_whole_output(tok, monkeypatch):
 class StallingFrontend(ScriptedFrontend):
     """Sends the first token, then the stream goes silent past its deadline."""
 
-    async def generate(self, req, seed):
+    async def generate(self, req, seed=None):  # the seed is on the request where the frontend takes one argument
         from core.types import DeadlineExceeded
 
         yield Output([TokenEvent(req.request_id, 0, SampledToken(40))])
@@ -300,7 +392,7 @@ def test_a_silent_stream_ends_with_an_error_event_not_a_hang():
 
 
 def test_collector_delivers_in_order_and_merges_what_is_pending():
-    from cluster.frontend import Collector
+    from cluster.outputs import Collector
     from core.types import DeadlineExceeded
 
     def ev(i, reason=None):
