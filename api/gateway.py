@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -25,8 +24,9 @@ from api.errors import ApiError, bad_request
 from api.metrics import Metrics
 from api.prompts import OffLoopTokenizer
 from api.text import Piece, TextStream, chat_logprobs, completion_logprobs
+from core.request import Request, choose_seed
 from core.roles import ServerConfig
-from core.types import MAX_LOGPROBS, GenerateRequest, PromptLogprob, SamplingParams
+from core.types import MAX_LOGPROBS, PromptLogprob, SamplingParams
 
 log = logging.getLogger(__name__)
 MAX_N = 16
@@ -151,11 +151,10 @@ class Gateway:
         jobs = []
         for p, (ids, sp) in enumerate(zip(prompts, samplings)):
             for j in range(n):
-                seed = sp.seed + j if sp.seed is not None else random.getrandbits(63)
-                jobs.append(Job(len(jobs), tuple(ids), sp, seed, echoes[p]))
+                jobs.append(Job(len(jobs), tuple(ids), sp, choose_seed(sp, j), echoes[p]))
         if self.frontend is not None:
             for job in jobs:  # a prompt that could never fit any decode worker is refused before any work
-                self.frontend.check_admissible(GenerateRequest("check", job.prompt_ids, job.sampling))
+                self.frontend.check_admissible(Request("check", job.prompt_ids, job.sampling, job.seed))
         return jobs
 
     # admission -----------------------------------------------------------------------------------
@@ -181,8 +180,8 @@ class Gateway:
     async def run_job(self, job: Job, stops: list[str], clock: RequestClock) -> AsyncIterator[tuple[Piece, str | None]]:
         """The choice's text as it comes: (piece, finish reason or None). Closing it stops the request."""
         ts = TextStream(self.tok, stops)
-        req = GenerateRequest(self.frontend.new_request_id(), job.prompt_ids, job.sampling)
-        async with contextlib.aclosing(self.frontend.generate(req, job.seed)) as outputs:
+        req = Request(self.frontend.new_request_id(), job.prompt_ids, job.sampling, job.seed)
+        async with contextlib.aclosing(self.frontend.generate(req)) as outputs:
             async for out in outputs:
                 if out.prompt_logprobs is not None:
                     job.prompt_logprobs = out.prompt_logprobs

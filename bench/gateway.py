@@ -24,8 +24,9 @@ import time
 import numpy as np
 
 from bench.common import emit, environment, progress
+from core.request import Request
 from core.roles import EAGER_STEP, ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, TierConfig
-from core.types import GenerateRequest, SamplingParams
+from core.types import SamplingParams
 
 
 def prompts(n: int, length: int) -> list[list[int]]:
@@ -46,7 +47,7 @@ async def direct(service, ps: list[list[int]], output_len: int, concurrency: int
     async def one(i: int) -> None:
         async with gate:
             start = time.perf_counter()
-            req = GenerateRequest(f"direct-{i}-{time.monotonic_ns()}", tuple(ps[i]),
+            req = Request(f"direct-{i}-{time.monotonic_ns()}", tuple(ps[i]),
                                   SamplingParams(max_tokens=output_len, ignore_eos=True))
             n = 0
             async for out in service.outputs(req, seed=i):

@@ -87,14 +87,15 @@ class IndexerTimer:
 
 
 def prefill_once(model, tokens: int, chunk: int, tile: int, device: str, seed: int = 0) -> dict:
+    from core.request import Attempt, Request
     from core.roles import PrefillConfig
     from core.types import SamplingParams
-    from prefill.worker import PrefillRequest, PrefillWorker
+    from prefill.worker import PrefillWorker
 
     g = torch.Generator().manual_seed(seed)
     prompt = tuple(torch.randint(6, model.cfg.vocab_size, (tokens,), generator=g).tolist())
     worker = PrefillWorker(model, PrefillConfig(max_batch_tokens=chunk, entry_tile=tile))
-    worker.submit(PrefillRequest("long", prompt, SamplingParams(max_tokens=1), seed))
+    worker.submit(Attempt(Request("long", prompt, SamplingParams(max_tokens=1), seed), "long"))
     _release_and_reset_peak(device)
     base = torch.cuda.memory_allocated() if device == "cuda" else _rss_bytes("VmRSS")
     results = []

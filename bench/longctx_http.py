@@ -65,15 +65,16 @@ def main(argv: list[str] | None = None) -> None:
 
     progress("in one process, tier off")
     from cluster.inprocess import InProcessEngine
+    from core.request import Request
     from core.roles import EAGER_STEP, PrefillConfig, TierConfig
-    from core.types import GenerateRequest, SamplingParams
+    from core.types import SamplingParams
     from model.tokenizer import load_tokenizer
 
     torch.set_num_threads(1)
     eng = InProcessEngine(model, TierConfig(offload=False, device_budget_bytes=512 * 2**20), PrefillConfig(max_batch_tokens=2048),
                           step=EAGER_STEP)
     t0 = time.perf_counter()
-    ref = eng.generate([GenerateRequest("ref", tuple(prompt), SamplingParams(max_tokens=a.max_tokens, ignore_eos=True))])["ref"]
+    ref = eng.generate([Request("ref", tuple(prompt), SamplingParams(max_tokens=a.max_tokens, ignore_eos=True))])["ref"]
     local_s = time.perf_counter() - t0
     eng.close()
     tok = load_tokenizer(ensure_builtin())

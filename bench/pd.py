@@ -32,8 +32,9 @@ import time
 from bench.common import emit, environment, progress
 from bench.procs import cpu_by_role, cpu_seconds
 from bench.serve import latency_stats
+from core.request import Request
 from core.roles import EAGER_STEP, ClusterConfig, PrefillConfig, ServeConfig, TierConfig
-from core.types import GenerateRequest, SamplingParams
+from core.types import SamplingParams
 
 
 def _summary(ttft: list[float], total_s: float, tokens: int) -> dict:
@@ -41,8 +42,8 @@ def _summary(ttft: list[float], total_s: float, tokens: int) -> dict:
             "output_tokens": tokens, "output_tokens_per_s": round(tokens / total_s, 1)}
 
 
-def requests(n: int, prompt_len: int, output_len: int) -> list[GenerateRequest]:
-    return [GenerateRequest(f"b{i}", tuple((31 * i + 7 * j) % 250 + 6 for j in range(prompt_len)),
+def requests(n: int, prompt_len: int, output_len: int) -> list[Request]:
+    return [Request(f"b{i}", tuple((31 * i + 7 * j) % 250 + 6 for j in range(prompt_len)),
                             SamplingParams(max_tokens=output_len, ignore_eos=True)) for i in range(n)]
 
 
@@ -57,7 +58,7 @@ class InProcess:
         self.threads = threads
         self.engine = InProcessEngine(load_model(ensure_builtin()), tier, prefill, step=EAGER_STEP)
 
-    def run(self, reqs: list[GenerateRequest]) -> dict:
+    def run(self, reqs: list[Request]) -> dict:
         import torch
 
         before = torch.get_num_threads()
@@ -77,27 +78,27 @@ class InProcess:
             torch.set_num_threads(before)
 
 
-async def pd_run(svc, reqs: list[GenerateRequest]) -> dict:
+async def pd_run(svc, reqs: list[Request]) -> dict:
     first: dict[str, float] = {}
     t0 = time.perf_counter()
 
     async def one(r):
         n = 0
-        async for _ in svc.generate(r, seed=0):
+        async for _ in svc.generate(r):
             first.setdefault(r.request_id, time.perf_counter() - t0)
             n += 1
         return n
 
     svc.frontend.handoffs.clear()
     decode = svc.actors.decode[0]
-    steps = (await decode.stats.remote())["steps"]
+    steps = (await decode.stats.remote()).steps
     before = cpu_by_role(os.getpid())
     counts = await asyncio.gather(*(one(r) for r in reqs))
     out = _summary(list(first.values()), time.perf_counter() - t0, sum(counts))
     after = cpu_by_role(os.getpid())
     # this process holds the frontend (the gateway's part); the actors and Ray's daemons are its children
     out["cpu_s"] = {k: round(after.get(k, 0.0) - before.get(k, 0.0), 3) for k in sorted(after)}
-    out["decode_steps"] = (await decode.stats.remote())["steps"] - steps
+    out["decode_steps"] = (await decode.stats.remote()).steps - steps
     sizes = [b for b, _ in svc.frontend.handoffs]
     times = [s for _, s in svc.frontend.handoffs]
     out.update(handoff_bytes_per_request_mean=round(statistics.mean(sizes)), handoff_bytes_total=sum(sizes),
@@ -105,7 +106,7 @@ async def pd_run(svc, reqs: list[GenerateRequest]) -> dict:
     return out
 
 
-def _named(reqs: list[GenerateRequest], tag: str) -> list[GenerateRequest]:
+def _named(reqs: list[Request], tag: str) -> list[Request]:
     return [dataclasses.replace(r, request_id=f"{r.request_id}-{tag}") for r in reqs]
 
 
@@ -113,7 +114,7 @@ def _median(values: list[float]) -> float:
     return round(statistics.median(values), 3)
 
 
-def compare(reqs: list[GenerateRequest], tier: TierConfig, prefill: PrefillConfig, repeats: int) -> dict:
+def compare(reqs: list[Request], tier: TierConfig, prefill: PrefillConfig, repeats: int) -> dict:
     """Interleaved rounds: one process with an actor's threads, one process with every core, the PD split."""
     import ray
 

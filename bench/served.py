@@ -69,7 +69,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def _load(url: str, model: str, concurrency: int, a: argparse.Namespace) -> dict:
     """One `hisparse bench serve` run in its own process; the fields of its JSON this bench reports."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        cmd = [sys.executable, "-m", "cluster.cli", "bench", "serve", "--url", url, "--model", model, "--endpoint", "chat",
+        cmd = [sys.executable, "-m", "hisparse.cli", "bench", "serve", "--url", url, "--model", model, "--endpoint", "chat",
                "--num-prompts", str(a.num_prompts), "--max-concurrency", str(concurrency), "--input-len", str(a.input_len),
                "--output-len", str(a.output_len), "--no-progress", "--result-file", f.name, "--timeout", "900"]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=3600)
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
                     "output_len": a.output_len, "concurrency": a.concurrency}
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    ours = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--model", a.model, *shlex.split(a.serve_args)]
+    ours = [sys.executable, "-m", "hisparse.cli", "serve", "--port", str(port), "--model", a.model, *shlex.split(a.serve_args)]
     result["hisparse"] = _server_runs("hisparse", ours, url, served_name, a, a.ready_timeout_s)
     if not a.no_peer:
         port = _free_port()

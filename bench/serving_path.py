@@ -37,7 +37,7 @@ def _free_port() -> int:
 
 
 def start_server(args: list[str], port: int, timeout_s: float = 300) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), *args],
+    proc = subprocess.Popen([sys.executable, "-m", "hisparse.cli", "serve", "--port", str(port), *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s

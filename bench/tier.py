@@ -21,6 +21,7 @@ miss-rate: LRU miss rate at hot-buffer sizes k, 2k, 4k over long generations on 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 
@@ -65,14 +66,15 @@ def synthetic_layout(cfg, tokens: int, seed: int = 0) -> KVLayout:
 
 def prefilled_layout(model, tokens: int, max_tokens: int, seed: int = 0) -> tuple[KVLayout, float]:
     """The layout the prefill worker builds for a random prompt of `tokens` tokens, and the seconds it took."""
+    from core.request import Attempt, Request
     from core.roles import PrefillConfig
     from core.types import SamplingParams
-    from prefill.worker import PrefillRequest, PrefillWorker
+    from prefill.worker import PrefillWorker
 
     g = torch.Generator().manual_seed(seed)
     prompt = tuple(torch.randint(6, model.cfg.vocab_size, (tokens,), generator=g).tolist())
     worker = PrefillWorker(model, PrefillConfig())
-    worker.submit(PrefillRequest(f"p{tokens}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), seed))
+    worker.submit(Attempt(Request(f"p{tokens}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), seed), f"p{tokens}"))
     t0 = time.perf_counter()
     done = []
     while worker.has_work():
@@ -110,7 +112,7 @@ def capacity(budget: int, contexts: list[int], max_tokens: int, real: bool = Fal
             worker = DecodeWorker(None, store, max_running=100_000, eos_ids=())  # admission only, no decoding
             admitted = 0
             while True:
-                worker.submit(DecodeRequest(f"c{admitted}", lay, SampledToken(7), sp, 0))
+                worker.submit(DecodeRequest.fresh(f"c{admitted}", lay, SampledToken(7), sp, 0))
                 worker._admit()
                 if len(worker.running) == admitted:
                     break
@@ -239,7 +241,7 @@ def _requests(model, batch: int, context: int, max_tokens: int, seed: int = 0, p
             ids = torch.randint(6, model.cfg.vocab_size, (context,), generator=g).tolist()
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, top_p=0.95)
         logits, lay = model.prefill(ids, last_only=True)
-        out.append(DecodeRequest(f"s{i}", lay, sample(logits, [sp], [i], [0])[0], sp, i))
+        out.append(DecodeRequest.fresh(f"s{i}", lay, sample(logits, [sp], [i], [0])[0], sp, i))
     return out
 
 
@@ -268,7 +270,7 @@ def step_cost(batch: int, context: int, steps: int, budget: int, repeats: int, m
                 trace = make_trace() if make_trace else None
                 w = _worker(model, offload, 2 * k, budget, (lambda inner, tr=trace: Recorder(inner, None, tr)) if trace else None)
                 for r in reqs:
-                    w.submit(type(r)(r.request_id, r.layout.clone(), r.first_token, r.sampling, r.seed))
+                    w.submit(dataclasses.replace(r, layout=r.layout.clone()))
                 for _ in range(3):
                     w.step()
                 t0 = time.perf_counter()
@@ -295,7 +297,7 @@ def miss_rate(tokens: int, trace_steps: int, budget: int, model=None, prompts: l
         log: dict = {}
         w = _worker(model, True, lru, budget, lambda inner, lg=log: Recorder(inner, lg))
         for r in reqs:
-            w.submit(type(r)(r.request_id, r.layout.clone(), r.first_token, r.sampling, r.seed))
+            w.submit(dataclasses.replace(r, layout=r.layout.clone()))
         while w.has_work():
             w.step()
         st = w.stats()

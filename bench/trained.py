@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
     from cluster.inprocess import InProcessEngine
+    from core.request import Request
     from core.roles import EAGER_STEP, TierConfig
-    from core.types import GenerateRequest, SamplingParams
+    from core.types import SamplingParams
     from model.builtin import SHIPPED, ensure_builtin, random_init
     from model.loader import build_empty, load_model
     from model.tokenizer import load_tokenizer
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = InProcessEngine(model, TierConfig(device_budget_bytes=32 * 2**20), step=EAGER_STEP)
     for i, (name, ids) in enumerate(held_out_prompts(tok, a.samples, 96, offset_lines=20)):
         sp = SamplingParams(max_tokens=80, temperature=0.6, top_p=0.95, seed=i)
-        done = engine.generate([GenerateRequest(name, tuple(ids), sp)])[name]
+        done = engine.generate([Request(name, tuple(ids), sp)])[name]
         samples.append({"file": name, "prompt": tok.decode(ids), "completion": tok.decode(done.token_ids)})
     engine.close()
     out["samples"] = samples

@@ -30,9 +30,8 @@ import time
 import ray
 
 from cachetier.layout import layout_format
-from cachetier.store import IntegrityError
 from cluster.prefill_actor import describe_worker
-from cluster.protocol import Handoff, Outbox, Report, RequestGone, StepMessage
+from cluster.protocol import Capacity, DecodeInfo, DecodeStats, Dropped, Handoff, Outbox, Report, RequestGone, StepMessage
 from cluster.replica import ReplicaRank
 from cluster.steploop import StepThread, on_thread
 from core.roles import POLL_INTERVAL_S, DeadlineConfig, FaultConfig, StepConfig, StubConfig, TierConfig
@@ -58,11 +57,10 @@ class DecodeActor(ReplicaRank):
         self.last_poll: dict[str, float] = {}
         self.owner_of: dict[str, str] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.integrity_errors = 0
         self.handoffs = 0
         self.handoff_bytes = 0
         self.dropped_subscribers = 0
-        self._stats: dict = {}
+        self._stats: DecodeStats | None = None
         self._sweeper: asyncio.Task | None = None
         self._pending: list[tuple[list, list]] = []
         """Output of finished steps not yet handed to the event loop (step thread only; see `_hand_on`)."""
@@ -87,12 +85,7 @@ class DecodeActor(ReplicaRank):
     # the step thread -----------------------------------------------------------------------------
 
     def _step(self) -> None:
-        try:
-            events = self._run_step(self.worker.step)
-        except IntegrityError as e:  # the idle integrity check failed: count it, keep serving
-            self.integrity_errors += 1
-            log.error("integrity check failed on an idle decode worker: %s", e)
-            events = []
+        events = self._run_step(self.worker.step)
         failures = self.worker.take_failures()
         if events or failures:
             self._pending.append((events, failures))
@@ -127,7 +120,7 @@ class DecodeActor(ReplicaRank):
                 self.owner_of.pop(ev.request_id, None)
         failed: dict[str, dict] = {}
         for f in failures:
-            failed.setdefault(f.owner, {})[f.request_id] = (f.message, f.kind)
+            failed.setdefault(f.owner, {})[f.request_id] = Dropped(f.message, f.kind)
             self.owner_of.pop(f.request_id, None)
         for owner in set(by_owner) | set(failed):
             box = self.outboxes.get(owner)
@@ -143,26 +136,24 @@ class DecodeActor(ReplicaRank):
     def _idle(self) -> bool:
         return self.worker.idle_work()
 
-    def _full_stats(self) -> dict:
+    def _full_stats(self) -> DecodeStats:
         """Worker, tier and actor numbers (step thread only)."""
-        st = self.worker.stats()
-        st.update(name=self.name, integrity_errors=self.integrity_errors, handoffs=self.handoffs,
-                  handoff_bytes=self.handoff_bytes, subscribers=len(self.outboxes), owners=len(self.owner_of),
-                  dropped_subscribers=self.dropped_subscribers)
-        return st
+        return DecodeStats.of(self.worker.stats(), name=self.name, handoffs=self.handoffs, handoff_bytes=self.handoff_bytes,
+                              subscribers=len(self.outboxes), owners=len(self.owner_of),
+                              dropped_subscribers=self.dropped_subscribers)
 
     # calls ---------------------------------------------------------------------------------------
 
-    async def ready(self) -> dict:
+    async def ready(self) -> DecodeInfo:
         self.loop = asyncio.get_running_loop()
         await self._joined.wait()  # a replica rank serves only once its replica is whole
         if self._sweeper is None:
             self._sweeper = self.loop.create_task(self._sweep_subscribers())
-        info = {"name": self.name, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-                "geometry": self.store.geo.describe(), "max_running": self.worker.max_running, "layout_format": self.format,
-                "describe": describe_worker(self.model, self.worker.runner.mode)}
-        info.update(self._rank_info())
-        return info
+        g = self.store.geo
+        return DecodeInfo(name=self.name, node_id=ray.get_runtime_context().get_node_id(), pid=os.getpid(),
+                          layout_format=self.format, describe=describe_worker(self.model, self.worker.runner.mode),
+                          capacity=Capacity(g.num_pages, g.group_pages, g.block_tokens, self.worker.max_running),
+                          **self._rank_info())
 
     def report(self) -> Report:
         cap = self.store.capacity()
@@ -192,8 +183,7 @@ class DecodeActor(ReplicaRank):
             raise HisparseError(f"layout of {h.request_id} arrived with {packed.tensor_bytes} bytes, {h.layout_bytes} were sent")
         # unpacked on the step thread when it is written: this loop touches no tensor (a layout moved by a
         # tensor transport lives on the device, and every device operation runs on the step thread)
-        req = DecodeRequest(h.request_id, None, h.first_token, h.sampling, h.seed, h.num_generated,
-                            owner=h.owner, solo=h.solo, fault=h.fault, packed=packed)
+        req = DecodeRequest(h.attempt, h.first_token, h.num_generated, packed=packed)
         if not self.worker.arrive(req):
             raise RequestGone(f"decode actor {self.name} no longer holds pages for {h.request_id} (aborted, or its "
                               f"reservation lapsed after {self.deadlines.reservation_lease_s:.0f} s)")
@@ -247,7 +237,7 @@ class DecodeActor(ReplicaRank):
         """Fault injection (chaos tests and benchmarks): block the step thread for `seconds`, as a hung step would."""
         self.thread.call(lambda: time.sleep(seconds))
 
-    async def stats(self) -> dict:
+    async def stats(self) -> DecodeStats:
         """Worker, tier and actor numbers, read on the step thread between steps."""
         return await on_thread(self.thread, self._full_stats)
 

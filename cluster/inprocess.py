@@ -10,16 +10,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from cachetier.store import KVStore, TieredStore
+from core.request import Attempt, Request
 from core.roles import PrefillConfig, StepConfig, TierConfig
-from core.types import GenerateRequest, PromptLogprob, RequestFailed, TokenEvent
+from core.types import PromptLogprob, RequestFailed, TokenEvent
 from decode.worker import DecodeRequest, DecodeWorker
 from model.model import V4Model
-from prefill.worker import PrefillRequest, PrefillResult, PrefillWorker
+from prefill.worker import PrefillResult, PrefillWorker
 
 
-def decode_request(res: PrefillResult, owner: str = "", solo: bool = False, fault: str | None = None) -> DecodeRequest:
-    return DecodeRequest(res.request_id, res.layout, res.first_token, res.sampling, res.seed, res.num_generated,
-                         owner=owner, solo=solo, fault=fault)
+def decode_request(res: PrefillResult) -> DecodeRequest:
+    """A prefill's result as the decode worker takes it."""
+    return DecodeRequest(res.attempt, res.first_token, res.num_generated, layout=res.layout)
 
 
 @dataclass
@@ -56,22 +57,21 @@ class InProcessEngine:
         self.decode = DecodeWorker(model, self.store, max_running=tier.max_running, eos_ids=self.eos_ids,
                                    step_config=step)
 
-    def generate(self, requests: Iterable[GenerateRequest], seeds: dict[str, int] | None = None,
+    def generate(self, requests: Iterable[Request],
                  on_event: Callable[[TokenEvent], None] | None = None) -> dict[str, Completion]:
-        """Run requests to completion; a request's seed is its sampling seed, else `seeds[id]`, else 0.
-        `on_event` sees every token as it is produced (for timing)."""
+        """Run requests to completion (each with its own seed, `core.request`); `on_event` sees every token as it
+        is produced (for timing)."""
         out: dict[str, Completion] = {}
         for r in requests:
-            seed = r.sampling.seed if r.sampling.seed is not None else (seeds or {}).get(r.request_id, 0)
-            self.prefill.submit(PrefillRequest(r.request_id, tuple(r.prompt_token_ids), r.sampling, seed))
+            self.prefill.submit(Attempt.of(r))
             out[r.request_id] = Completion(r.request_id)
         while self.prefill.has_work() or self.decode.has_work():
             for res in self.prefill.step():
-                out[res.request_id].prompt_logprobs = res.prompt_logprobs
+                out[res.key].prompt_logprobs = res.prompt_logprobs
                 if res.first_token is None:
                     continue  # scoring only
-                ev = TokenEvent(res.request_id, 0, res.first_token, res.finish_reason)
-                out[res.request_id].events.append(ev)
+                ev = TokenEvent(res.key, 0, res.first_token, res.finish_reason)
+                out[res.key].events.append(ev)
                 if on_event is not None:
                     on_event(ev)
                 if res.finish_reason is None:

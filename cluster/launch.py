@@ -23,7 +23,7 @@ import ray
 
 from cluster.decode_actor import DecodeActor
 from cluster.prefill_actor import PrefillActor
-from cluster.protocol import COLLECTIVE_TRANSPORTS, NAMESPACE, ROLE_DECODE, ROLE_PREFILL, TRANSPORTS
+from cluster.protocol import COLLECTIVE_TRANSPORTS, NAMESPACE, ROLE_DECODE, ROLE_PREFILL, TRANSPORTS, DecodeInfo, PrefillInfo
 from cluster.replica import ReplicaSupervisor, create_replica, kill_replica, rank_names, serving_ranks
 from core.parallel import ParallelLayout
 from core.roles import ClusterConfig, ServeConfig
@@ -85,8 +85,8 @@ class Actors:
     prefill: list = field(default_factory=list)
     decode: list = field(default_factory=list)
     """Decode actors; with replicas of several ranks, every rank of every replica."""
-    prefill_info: list[dict] = field(default_factory=list)
-    decode_info: list[dict] = field(default_factory=list)
+    prefill_info: list[PrefillInfo] = field(default_factory=list)
+    decode_info: list[DecodeInfo] = field(default_factory=list)
     supervisor: ReplicaSupervisor | None = None
     """Rebuilds decode replicas whose ranks die (only when this process created replicas)."""
 
@@ -189,7 +189,7 @@ def create_actors(model: str, cfg: ServeConfig, eos_ids: tuple[int, ...], prefix
         create_collective_group(out.prefill + out.decode, backend=COLLECTIVE_TRANSPORTS[cluster.transport])
         log.info("layouts move over %s between %d actors", cluster.transport, len(out.prefill) + len(out.decode))
     for info in out.prefill_info + out.decode_info:
-        log.info("actor %s up on node %s (pid %s): %s", info["name"], info["node_id"][:12], info["pid"], info["describe"])
+        log.info("actor %s up on node %s (pid %s): %s", info.name, info.node_id[:12], info.pid, info.describe)
     return out
 
 

@@ -11,23 +11,23 @@ contiguous buffer (`cachetier.layout.pack_layout`), packed on the step thread.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from cachetier.layout import layout_format, pack_layout
 from cluster.describe import describe_worker
-from cluster.protocol import DecodeTarget, Handoff, PrefillOutcome, StepFailure, WorkerLost
+from cluster.protocol import ACTOR_GONE, DecodeTarget, Handoff, PrefillInfo, PrefillOutcome, PrefillStats, StepFailure, WorkerLost
 from cluster.replica import ReplicaRank
 from cluster.steploop import StepThread, resolve
+from core.request import Attempt
 from core.roles import DeadlineConfig, FaultConfig, PrefillConfig, StubConfig
 from core.types import DeadlineExceeded, HisparseError
 
 log = logging.getLogger(__name__)
-ACTOR_GONE = (RayActorError, ActorDiedError, ActorUnavailableError)
 
 
 def load_model_for_actor(model_spec: str, num_threads: int, stub: StubConfig | None = None, weights: str = "packed",
@@ -60,8 +60,6 @@ class PrefillActor(ReplicaRank):
                  transport: str = "object_store", faults: FaultConfig | None = None, stub: StubConfig | None = None,
                  weights: str = "packed", kv_format: str = "auto", layout: str | None = None, rank: int = 0,
                  dtype: str = "auto") -> None:
-        import dataclasses
-
         shard = self._init_rank(layout, rank)
         if self.layout is not None and stub is not None:
             raise HisparseError("a stand-in prefill (--stub-prefill-ms) runs no model, so it cannot be split over a replica")
@@ -79,7 +77,7 @@ class PrefillActor(ReplicaRank):
         self.exports: dict[str, tuple[object, float]] = {}  # direct tensor transports: layouts waiting to be moved
         self.handoffs = 0
         self.bytes_sent = 0
-        self._snapshot = {"queued_tokens": 0, "pending": 0, "tokens_in": 0, "progress": {}, "prefix_cache": None}
+        self._snapshot = PrefillStats(name=name)
 
         def build() -> None:  # on the step thread, which does all of this actor's device work
             from prefill.worker import PrefillWorker
@@ -92,21 +90,35 @@ class PrefillActor(ReplicaRank):
         log.info("prefill actor %s: %s", name, describe_worker(self.model))
 
     def _step(self) -> None:
-        results = self._run_step(self.worker.step)
+        try:
+            results = self._run_step(self.worker.step)
+        except Exception as e:  # past the worker's own handling: every request it held may be half done
+            log.exception("a prefill step failed; failing the %d request(s) it held", len(self.worker.pending))
+            for key in list(self.worker.pending):
+                self.worker.abort(key)
+                self._settle(key, error=StepFailure(f"a prefill step it was in failed: {type(e).__name__}: {e}"))
+            self._refresh()
+            return
         if self.worker.tp_role == "follower":  # its leader answers for the group; this rank only computes
             self.worker.take_failures()
             self._refresh()
             return
         for res in results:
             packed = None
-            if res.finish_reason is None:  # it goes on to decode: pack here, off the event loop
-                packed = pack_layout(res.layout, self.format)
-                if self.transport != "object_store":
-                    import torch
+            try:
+                if res.finish_reason is None:  # it goes on to decode: pack here, off the event loop
+                    packed = pack_layout(res.layout, self.format)
+                    if self.transport != "object_store":
+                        import torch
 
-                    packed.buffer = torch.from_numpy(packed.buffer)  # tensor transports move torch tensors
-            res.layout = None
-            self._settle(res.request_id, value=(res, packed))
+                        packed.buffer = torch.from_numpy(packed.buffer)  # tensor transports move torch tensors
+            except Exception as e:  # this request cannot be handed on: it fails (and may be retried), the others go on
+                log.exception("packing the layout of %s failed", res.key)
+                self._settle(res.key, error=StepFailure(f"packing its layout failed: {type(e).__name__}: {e}"))
+                continue
+            finally:
+                res.layout = None
+            self._settle(res.key, value=(res, packed))
         for f in self.worker.take_failures():
             self._settle(f.request_id, error=StepFailure(f.message))
         self._refresh()
@@ -114,9 +126,10 @@ class PrefillActor(ReplicaRank):
     def _refresh(self) -> None:
         """Publish the queue for `stats` (step thread only; read without waiting for a step)."""
         w = self.worker
-        self._snapshot = {"queued_tokens": w.queued_tokens(), "pending": len(w.pending), "tokens_in": w.tokens_in,
-                          "progress": {g.request_id: (g.done_tokens, g.total_tokens) for g in w.progress()},
-                          "prefix_cache": w.prefix_cache.stats().as_dict() if w.prefix_cache is not None else None}
+        self._snapshot = PrefillStats(
+            name=self.name, queued_tokens=w.queued_tokens(), pending=len(w.pending), tokens_in=w.tokens_in,
+            progress={g.request_id: (g.done_tokens, g.total_tokens) for g in w.progress()},
+            prefix_cache=w.prefix_cache.stats() if w.prefix_cache is not None else None)
 
     def _abort_now(self, request_id: str) -> None:
         self.worker.abort(request_id)
@@ -128,16 +141,16 @@ class PrefillActor(ReplicaRank):
         if fut is not None:
             resolve(loop, fut, value, error)
 
-    async def ready(self) -> dict:
+    async def ready(self) -> PrefillInfo:
         await self._joined.wait()  # a replica rank serves only once its replica is whole
         cache = self.worker.prefix_cache
-        return {"name": self.name, "node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
-                "layout_format": self.format, "describe": describe_worker(self.model),
-                "prefix_page_tokens": cache.page if cache is not None else None,
-                "prefix_affinity_slack": self.config.prefix_cache.affinity_slack_tokens,
-                "prefix_pages": cache.held_pages() if cache is not None else [], **self._rank_info()}
+        return PrefillInfo(name=self.name, node_id=ray.get_runtime_context().get_node_id(), pid=os.getpid(),
+                           layout_format=self.format, describe=describe_worker(self.model),
+                           prefix_page_tokens=cache.page if cache is not None else None,
+                           prefix_affinity_slack=self.config.prefix_cache.affinity_slack_tokens,
+                           prefix_pages=tuple(cache.held_pages()) if cache is not None else (), **self._rank_info())
 
-    async def prefill(self, req, target: DecodeTarget | None = None) -> PrefillOutcome:
+    async def prefill(self, req: Attempt, target: DecodeTarget | None = None) -> PrefillOutcome:
         """Prefill `req`; unless its first token ends it, hand it to `target` and return once decode holds it."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
@@ -145,7 +158,7 @@ class PrefillActor(ReplicaRank):
         def submit() -> None:
             try:
                 self.worker.submit(req)
-                self.futures[req.request_id] = (loop, fut)
+                self.futures[req.key] = (loop, fut)
                 self._refresh()
             except BaseException as e:
                 resolve(loop, fut, error=e)
@@ -154,30 +167,30 @@ class PrefillActor(ReplicaRank):
         try:
             res, packed = await fut
         except asyncio.CancelledError:  # the caller left while the prompt was being prefilled
-            self.thread.call(lambda: self._abort_now(req.request_id))
+            self.thread.call(lambda: self._abort_now(req.key))
             raise
-        out = PrefillOutcome(req.request_id, res.first_token, res.finish_reason, res.prompt_logprobs, res.prompt_len, False)
+        out = PrefillOutcome(req.key, res.first_token, res.finish_reason, res.prompt_logprobs, res.prompt_len, False)
         if res.finish_reason is not None or target is None:
             return out
-        h = Handoff(req.request_id, res.first_token, res.sampling, res.seed, res.num_generated, target.owner, self.format,
-                    packed.tensor_bytes, solo=req.solo, fault=self.faults.tag(req.prompt_token_ids))
+        attempt = dataclasses.replace(req, owner=target.owner, fault=self.faults.tag(req.prompt_token_ids)).stripped()
+        h = Handoff(attempt, res.first_token, res.num_generated, self.format, packed.tensor_bytes)
         if self.transport != "object_store":  # the caller moves it: see `export`
-            self.exports[req.request_id] = (packed, time.monotonic() + self.deadlines.handoff_timeout_s)
+            self.exports[req.key] = (packed, time.monotonic() + self.deadlines.handoff_timeout_s)
             self._sweep_exports()
             out.awaiting_export, out.layout_bytes = h, packed.tensor_bytes
             return out
         t0 = time.perf_counter()
-        self.in_handoff[req.request_id] = packed.tensor_bytes
+        self.in_handoff[req.key] = packed.tensor_bytes
         try:
             await asyncio.wait_for(target.handle.admit.remote(h, packed), self.deadlines.handoff_timeout_s)
         except ACTOR_GONE as e:
-            raise WorkerLost(f"decode actor {target.name} was lost while taking over {req.request_id}: "
+            raise WorkerLost(f"decode actor {target.name} was lost while taking over {req.key}: "
                              f"{type(e).__name__}") from None
         except asyncio.TimeoutError:
-            raise DeadlineExceeded(f"decode actor {target.name} did not take {req.request_id} within "
+            raise DeadlineExceeded(f"decode actor {target.name} did not take {req.key} within "
                                    f"{self.deadlines.handoff_timeout_s:.0f} s (--handoff-timeout-s)") from None
         finally:
-            self.in_handoff.pop(req.request_id, None)
+            self.in_handoff.pop(req.key, None)
         self.handoffs += 1
         self.bytes_sent += packed.tensor_bytes
         out.handed_off, out.layout_bytes, out.handoff_s = True, packed.tensor_bytes, time.perf_counter() - t0
@@ -207,11 +220,10 @@ class PrefillActor(ReplicaRank):
         self.exports.pop(request_id, None)
         self.thread.call(lambda: self._abort_now(request_id))
 
-    async def stats(self) -> dict:
+    async def stats(self) -> PrefillStats:
         """Queue and progress as of the last step (never waits for a step to end), plus handoffs in flight."""
         self._sweep_exports()
-        return {**self._snapshot, "name": self.name, "held_layouts": len(self.in_handoff) + len(self.exports),
-                "futures": len(self.futures),
-                "held_bytes": sum(self.in_handoff.values()) + sum(p.tensor_bytes for p, _ in self.exports.values()),
-                "handoffs": self.handoffs, "bytes_sent": self.bytes_sent,
-                "stalled_s": self.thread.stalled_s()}
+        return dataclasses.replace(
+            self._snapshot, held_layouts=len(self.in_handoff) + len(self.exports), futures=len(self.futures),
+            held_bytes=sum(self.in_handoff.values()) + sum(p.tensor_bytes for p, _ in self.exports.values()),
+            handoffs=self.handoffs, bytes_sent=self.bytes_sent, stalled_s=self.thread.stalled_s())

@@ -7,15 +7,15 @@ worker process (`--api-workers` > 1) attaches to actors another process created 
 from __future__ import annotations
 
 import logging
-import random
 
 import ray
 
-from cluster.frontend import Frontend, Output
+from cluster.frontend import Frontend
 from cluster.launch import Actors, create_actors, kill_actors, lookup_actors, start_ray
 from core.parallel import ParallelLayout
+from core.request import Request
 from core.roles import ServeConfig
-from core.types import GenerateRequest, TokenEvent
+from core.types import TokenEvent
 from model.builtin import resolve_model_dir
 from model.config import end_of_sequence_ids, load_config
 from model.tokenizer import Tokenizer, load_tokenizer
@@ -76,13 +76,9 @@ class Service:
         if (self._owns_ray if shutdown_ray is None else shutdown_ray) and ray.is_initialized():
             ray.shutdown()
 
-    def seed_for(self, req: GenerateRequest) -> int:
-        return req.sampling.seed if req.sampling.seed is not None else random.getrandbits(63)
-
-    async def generate(self, req: GenerateRequest, seed: int | None = None):
+    async def generate(self, req: Request):
         """Token events of `req` one by one (a convenience over `Frontend.generate`'s batches)."""
-        seed = self.seed_for(req) if seed is None else seed
-        outputs = self.frontend.generate(req, seed)
+        outputs = self.frontend.generate(req)
         try:
             async for out in outputs:
                 for ev in out.events:
@@ -90,13 +86,9 @@ class Service:
         finally:
             await outputs.aclose()
 
-    async def complete(self, req: GenerateRequest, seed: int | None = None) -> list[TokenEvent]:
-        return [ev async for ev in self.generate(req, seed)]
+    async def complete(self, req: Request) -> list[TokenEvent]:
+        return [ev async for ev in self.generate(req)]
 
-    def outputs(self, req: GenerateRequest, seed: int | None = None):
+    def outputs(self, req: Request):
         """`Frontend.generate`: batches of events (and prompt scores) as they come."""
-        seed = self.seed_for(req) if seed is None else seed
-        return self.frontend.generate(req, seed)
-
-
-__all__ = ["Service", "Output"]
+        return self.frontend.generate(req)

@@ -156,6 +156,9 @@ class PrefillConfig:
             raise ValueError(f"entry_tile must be at least 1 (512 is a good start), got {self.entry_tile}")
 
 
+PLACEMENTS = ("resources", "any")
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """Where the actors run."""
@@ -185,10 +188,10 @@ class ClusterConfig:
     """GPUs each prefill actor reserves; None: one where the cluster has GPUs, else none (`gpus_per_actor`)."""
     decode_num_gpus: float | None = None
     """GPUs each decode actor reserves; None: one where the cluster has GPUs, else none (`gpus_per_actor`)."""
-    placement: str = "resources"
+    placement: str | None = None
     """`resources`: actors require the role resources `hisparse_prefill` / `hisparse_decode` that nodes
-    advertise (`ray start --resources '{"hisparse_decode": 4}'`); `any`: no role placement (the embedded
-    default, where the local node advertises both)."""
+    advertise (`ray start --resources '{"hisparse_decode": 4}'`); `any`: no role placement. None: `any` for the
+    embedded instance (its one node advertises both), `resources` when joining a cluster."""
     max_restarts: int = 3
     """Times Ray restarts a dead actor before giving up on it."""
     transport: str = "object_store"
@@ -214,6 +217,10 @@ class ClusterConfig:
         return self.num_decode * ParallelLayout.parse(self.decode_layout).world
 
     def __post_init__(self) -> None:
+        if self.placement is None:
+            object.__setattr__(self, "placement", "any" if self.address is None else "resources")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
         replicas = not (ParallelLayout.parse(self.prefill_layout).single and ParallelLayout.parse(self.decode_layout).single)
         if replicas and self.transport != "object_store":
             raise ValueError(f"--transport {self.transport} sets its collective group up once at start, and a rebuilt "

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
 """Most top alternatives a request may ask for, per generated or prompt token."""
@@ -54,15 +54,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    """A prompt to complete: what the router hands to prefill."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ import os
 import time
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.fx.experimental._config
@@ -64,6 +65,21 @@ def _own_copy(fn):
     """`fn` with a code object of its own: torch.compile keeps its cache (and its recompile limit) per code
     object, so every runner's compiled step keeps its own instead of sharing one across models and stores."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """How a worker's decode step runs, and what compiling or capturing it cost."""
+
+    mode: str
+    """`eager`, `compiled` (CPU), `cuda_graphs` or `fixed_eager` (CUDA, graphs off)."""
+    compiles: int
+    compile_s: float
+    graphs: int
+    capture_s: float
+    eager_steps: int
+    """Steps after warm-up that ran eagerly or uncaptured because their bucket had no graph."""
+    pending_captures: int
 
 
 MIN_COMPILED_BUCKET = 2
@@ -257,7 +273,6 @@ class StepRunner:
         view.advance()
         return logits
 
-    def stats(self) -> dict:
-        return {"mode": self.mode, "compiles": self.compiles, "compile_s": round(self.compile_s, 3),
-                "graphs": len(self.graphs), "capture_s": round(self.capture_s, 3), "eager_steps": self.eager_steps,
-                "pending_captures": len(self.pending_captures)}
+    def stats(self) -> StepStats:
+        return StepStats(self.mode, self.compiles, round(self.compile_s, 3), len(self.graphs), round(self.capture_s, 3),
+                         self.eager_steps, len(self.pending_captures))

@@ -35,7 +35,8 @@ import numpy as np
 import torch
 
 from cachetier.layout import KVLayout, PackedLayout, unpack_layout
-from cachetier.store import KVStore
+from cachetier.store import IntegrityError, KVStore
+from core.request import Attempt, FailureKind, Request
 from core.roles import FaultConfig, StepConfig
 from core.types import SampledToken, SamplingParams, StepTokens, TokenEvent, finish_reason
 from decode.runner import StepRunner
@@ -48,30 +49,54 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class DecodeRequest:
-    """A prefilled request handed to decode."""
+    """A prefilled attempt handed to decode: the attempt, the token it decodes from, its layout."""
 
-    request_id: str
-    layout: KVLayout | None
-    """The prefilled layout; None while it is still `packed` (it is unpacked on the step thread, when written)."""
+    attempt: Attempt
     first_token: SampledToken
     """The last token generated so far: the next step's input (the first token for a fresh request)."""
-    sampling: SamplingParams
-    seed: int
     num_generated: int = 1
     """Tokens already generated (the first token included); more than 1 when a request is re-prefilled."""
-    owner: str = ""
-    """Who collects this request's tokens (a gateway's id); the worker only passes it through."""
-    solo: bool = False
-    """Decode in a step of its own (the request failed a step before)."""
-    fault: str | None = None
-    """An injected fault this request carries (`poison` or `hang`; chaos tests only)."""
+    layout: KVLayout | None = None
+    """The prefilled layout; None while it is still `packed` (it is unpacked on the step thread, when written)."""
     packed: PackedLayout | None = None
     """The layout as it arrived (one buffer), when `layout` is not unpacked yet."""
 
     @property
+    def request_id(self) -> str:
+        return self.attempt.key
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.attempt.sampling
+
+    @property
+    def seed(self) -> int:
+        return self.attempt.seed
+
+    @property
+    def owner(self) -> str:
+        return self.attempt.owner
+
+    @property
+    def solo(self) -> bool:
+        return self.attempt.solo
+
+    @property
+    def fault(self) -> str | None:
+        return self.attempt.fault
+
+    @property
     def reserve_tokens(self) -> int:
-        num_tokens = self.layout.num_tokens if self.layout is not None else self.packed.num_tokens
-        return num_tokens + self.sampling.max_tokens - self.num_generated + 1
+        return self.attempt.reserve_tokens
+
+    @classmethod
+    def fresh(cls, key: str, layout: KVLayout, first_token: SampledToken, sampling: SamplingParams, seed: int,
+              num_generated: int = 1, **attempt) -> DecodeRequest:
+        """A request prefilled here (its layout holds the prompt and all but the last of `num_generated` tokens),
+        decoding on from `first_token`, the last of them: the decode side needs no more of the request.
+        `attempt`: the attempt's other fields (solo, owner, fault)."""
+        request = Request(key, (), sampling, seed, prompt_len=layout.num_tokens - num_generated + 1)
+        return cls(Attempt(request, key, **attempt), first_token, num_generated, layout=layout)
 
     def unpacked(self) -> KVLayout:
         """The layout (unpacked from `packed` on first use: step thread only)."""
@@ -87,9 +112,8 @@ class Failure:
     request_id: str
     owner: str
     message: str
-    kind: str
-    """`step` (it was in a step that raised), `layout` (its layout could not be written) or `lease` (its
-    reservation lapsed before the layout came). A new prefill elsewhere may succeed after any of them."""
+    kind: FailureKind
+    """A new prefill elsewhere may succeed after any of them."""
 
 
 @dataclass
@@ -178,6 +202,7 @@ class DecodeWorker:
         self.failed_steps = 0
         self.check_when_idle = check_when_idle
         self.integrity_checks = 0
+        self.integrity_errors = 0
 
     # requests in and out -------------------------------------------------------------------------
 
@@ -252,7 +277,7 @@ class DecodeWorker:
         out, self.failures = self.failures, []
         return out
 
-    def _fail(self, request_id: str, owner: str, message: str, kind: str) -> None:
+    def _fail(self, request_id: str, owner: str, message: str, kind: FailureKind) -> None:
         self.failures.append(Failure(request_id, owner, message, kind))
 
     def _admit(self) -> None:
@@ -268,7 +293,7 @@ class DecodeWorker:
             except Exception as e:
                 log.exception("writing the layout of %s failed", req.request_id)
                 self.store.free(req.request_id)
-                self._fail(req.request_id, req.owner, f"writing its layout failed: {e}", "layout")
+                self._fail(req.request_id, req.owner, f"writing its layout failed: {e}", FailureKind.LAYOUT)
                 continue
             self._running_changed()
             self.running[req.request_id] = _Running(req, req.first_token.token_id, req.num_generated)
@@ -290,7 +315,7 @@ class DecodeWorker:
                     del self.reserved[rid]
                     self.store.free(rid)
             for rid, r in lapsed:
-                self._fail(rid, r.owner, "its layout did not arrive within the reservation lease", "lease")
+                self._fail(rid, r.owner, "its layout did not arrive within the reservation lease", FailureKind.LEASE)
 
     # the step ------------------------------------------------------------------------------------
 
@@ -376,7 +401,7 @@ class DecodeWorker:
             log.exception("decode step over %d request(s) failed; failing them", len(g.ids))
             for rid, run in zip(g.ids, g.runs):
                 ended.append(rid)
-                self._fail(rid, run.req.owner, f"a decode step it was in failed: {type(e).__name__}: {e}", "step")
+                self._fail(rid, run.req.owner, f"a decode step it was in failed: {type(e).__name__}: {e}", FailureKind.STEP)
             return StepTokens([], [], [])
         g.tokens = tokens
         g.num_generated += 1
@@ -404,12 +429,23 @@ class DecodeWorker:
             raise InjectedFault("injected fault: this step holds a poisoned request")
 
     def _check_if_idle(self) -> None:
+        """Idle: nothing in flight can hide a leak, and the check costs no latency. A failure is counted and
+        logged, never raised into the step or the abort that found the worker idle (that would skip the rest
+        of what they do, and the caller's own bookkeeping after them)."""
         if self.check_when_idle and self.idle():
-            self.check_integrity()  # idle: nothing in flight can hide a leak, and the check costs no latency
+            try:
+                self.check_integrity()
+            except IntegrityError as e:
+                log.error("integrity check failed on an idle decode worker: %s", e)
 
     def check_integrity(self) -> None:
-        self.store.check_integrity()
+        """The store's integrity check; every failure counts in `integrity_errors` (and raises)."""
         self.integrity_checks += 1
+        try:
+            self.store.check_integrity()
+        except IntegrityError:
+            self.integrity_errors += 1
+            raise
 
     def idle_work(self) -> bool:
         """Work for a step thread with nothing to decode (capturing a bucket a step found uncaptured); True if
@@ -423,7 +459,7 @@ class DecodeWorker:
     def stats(self) -> dict:
         out = {"running": len(self.running), "waiting": len(self.waiting) + len(self.arrivals), "reserved": len(self.reserved),
                "steps": self.steps, "tokens_out": self.tokens_out, "failed_steps": self.failed_steps,
-               "integrity_checks": self.integrity_checks}
+               "integrity_checks": self.integrity_checks, "integrity_errors": self.integrity_errors}
         if self.runner is not None:
             out["step"] = self.runner.stats()
         out.update(self.store.stats())

@@ -21,8 +21,9 @@ import torch
 
 from cachetier.layout import KVLayout, layout_format
 from cachetier.prefix import PrefixCache, PrefixHit
+from core.request import Attempt
 from core.roles import PrefillConfig
-from core.types import InvalidRequestError, PromptLogprob, SampledToken, SamplingParams, finish_reason
+from core.types import PromptLogprob, SampledToken, finish_reason
 from model.model import V4Model
 from model.parallel import ReplicaBroken
 from model.sampling import sample
@@ -31,32 +32,26 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class PrefillRequest:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    seed: int
-    resume_tokens: tuple[int, ...] = ()
-    """Tokens already generated (recovery after a decode failure): the layout is rebuilt over
-    prompt + all but the last of them, and the last becomes the next input instead of a new sample."""
-    solo: bool = False
-    """Prefill (and later decode) in steps of its own: the request failed a step before."""
-
-
-@dataclass
 class PrefillResult:
-    request_id: str
+    """A prefilled attempt: its layout and the token decode goes on from."""
+
+    attempt: Attempt
     layout: KVLayout
     first_token: SampledToken | None
     """The token to decode from next; None when nothing is generated (`max_tokens` 0: scoring only)."""
-    sampling: SamplingParams
-    seed: int
-    prompt_len: int
     num_generated: int
     """Tokens generated once this result exists (1 for a fresh request)."""
     finish_reason: str | None = None
     """Set when the request is already complete (its first token ends it, or nothing is generated)."""
     prompt_logprobs: list[PromptLogprob] | None = None
+
+    @property
+    def key(self) -> str:
+        return self.attempt.key
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.attempt.prompt_token_ids)
 
 
 @dataclass(frozen=True)
@@ -71,12 +66,12 @@ class PrefillProgress:
 
 
 class _Pending:
-    def __init__(self, req: PrefillRequest) -> None:
+    def __init__(self, req: Attempt) -> None:
         self.req = req
-        self.tokens = list(req.prompt_token_ids) + list(req.resume_tokens[:-1])
+        self.tokens = list(req.prompt_token_ids) + list(req.generated[:-1])
         self.done = 0
         self.layout: KVLayout | None = None
-        self.wants_logprobs = req.sampling.prompt_logprobs is not None and not req.resume_tokens
+        self.wants_logprobs = req.sampling.prompt_logprobs is not None and not req.generated
         self.logprobs: list[PromptLogprob] = []
         self.carry: torch.Tensor | None = None  # last chunk's final logits: they score the next chunk's first token
         self.hit: PrefixHit | None = None  # the prefix cache's answer (pins its path until the request leaves)
@@ -113,26 +108,12 @@ class PrefillWorker:
         """`leader` or `follower` in an attention-TP group (`join_replica`); None otherwise."""
         self._journal: list[tuple[str, object]] = []  # a TP leader's submits and aborts since its last step
 
-    def validate(self, req: PrefillRequest) -> None:
+    def submit(self, req: Attempt) -> None:
         cfg = self.model.cfg
-        if not req.prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < cfg.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary (0..{cfg.vocab_size - 1})", param="prompt")
-        total = len(req.prompt_token_ids) + req.sampling.max_tokens
-        if total > cfg.max_position_embeddings:
-            raise InvalidRequestError(
-                f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({req.sampling.max_tokens}) = {total} exceeds "
-                f"the model's context of {cfg.max_position_embeddings} tokens; shorten the prompt or lower max_tokens",
-                param="max_tokens",
-            )
-
-    def submit(self, req: PrefillRequest) -> None:
-        self.validate(req)
-        if req.request_id in self.pending:
-            raise ValueError(f"request {req.request_id} is already queued")
-        self.pending[req.request_id] = _Pending(req)
+        req.request.check(cfg.vocab_size, cfg.max_position_embeddings)
+        if req.key in self.pending:
+            raise ValueError(f"request {req.key} is already queued")
+        self.pending[req.key] = _Pending(req)
         if self.tp_role == "leader":
             self._journal.append(("submit", req))
 
@@ -146,9 +127,9 @@ class PrefillWorker:
 
     def _drop(self, p: _Pending, why: str) -> None:
         """A failed request leaves the queue, gives back what it holds, and is reported by `take_failures`."""
-        del self.pending[p.req.request_id]
+        del self.pending[p.req.key]
         self._release(p)
-        self.failures.append(PrefillFailure(p.req.request_id, why))
+        self.failures.append(PrefillFailure(p.req.key, why))
 
     def _release(self, p: _Pending) -> None:
         if p.hit is not None:
@@ -170,7 +151,7 @@ class PrefillWorker:
                 p.done = p.hit.tokens
             p.snapshots = cache.snapshot_points(len(p.tokens), p.hit)
         except Exception:  # the cache is an optimisation: on any failure of its own, prefill from the start
-            log.exception("prefix cache: lookup for %s failed; prefilling it whole", p.req.request_id)
+            log.exception("prefix cache: lookup for %s failed; prefilling it whole", p.req.key)
             self._release(p)
             p.hit, p.done, p.snapshots = None, 0, []
             p.layout = self.model.new_layout()
@@ -202,7 +183,7 @@ class PrefillWorker:
                 try:
                     self._start(p)
                 except Exception as e:  # this request cannot start: it fails alone, the others go on
-                    log.exception("starting the prefill of %s failed; failing it", p.req.request_id)
+                    log.exception("starting the prefill of %s failed; failing it", p.req.key)
                     self._drop(p, f"its prefill could not start: {type(e).__name__}: {e}")
                     continue
             n = min(len(p.tokens) - p.done, budget)
@@ -293,7 +274,7 @@ class PrefillWorker:
         try:
             self.prefix_cache.store(p.tokens[: p.done], p.layout)
         except Exception:  # the cache is an optimisation: a failure to keep a snapshot never fails the request
-            log.exception("prefix cache: storing %d tokens of %s failed", p.done, p.req.request_id)
+            log.exception("prefix cache: storing %d tokens of %s failed", p.done, p.req.key)
 
     def _score(self, p: _Pending, logits: torch.Tensor, n: int) -> None:
         """Log-probabilities of this chunk's prompt tokens from the logits before each of them."""
@@ -316,25 +297,24 @@ class PrefillWorker:
         p.logprobs += [PromptLogprob(t, c, tp) for t, c, tp in zip(ids.tolist(), chosen, tops)]
 
     def _finish(self, finished: list[tuple[_Pending, torch.Tensor]]) -> list[PrefillResult]:
-        fresh = [(p, lo) for p, lo in finished if not p.req.resume_tokens and p.req.sampling.max_tokens > 0]
+        fresh = [(p, lo) for p, lo in finished if not p.req.generated and p.req.sampling.max_tokens > 0]
         sampled = {}
         if fresh:
             toks = sample(torch.cat([lo for _, lo in fresh]), [p.req.sampling for p, _ in fresh],
                           [p.req.seed for p, _ in fresh], [0] * len(fresh))
-            sampled = {p.req.request_id: t for (p, _), t in zip(fresh, toks)}
+            sampled = {p.req.key: t for (p, _), t in zip(fresh, toks)}
         done = []
         for p, _ in finished:
             req = p.req
-            del self.pending[req.request_id]
+            del self.pending[req.key]
             self._release(p)
             reason = None
-            if req.resume_tokens:
-                first, n_gen = SampledToken(req.resume_tokens[-1]), len(req.resume_tokens)
+            if req.generated:
+                first, n_gen = SampledToken(req.generated[-1]), len(req.generated)
             elif req.sampling.max_tokens == 0:
                 first, n_gen, reason = None, 0, "length"
             else:
-                first, n_gen = sampled[req.request_id], 1
+                first, n_gen = sampled[req.key], 1
                 reason = finish_reason(first.token_id, 1, req.sampling, self.eos_ids)
-            done.append(PrefillResult(req.request_id, p.layout, first, req.sampling, req.seed, len(req.prompt_token_ids), n_gen,
-                                      reason, p.logprobs if p.wants_logprobs else None))
+            done.append(PrefillResult(req, p.layout, first, n_gen, reason, p.logprobs if p.wants_logprobs else None))
         return done

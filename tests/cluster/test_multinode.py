@@ -12,8 +12,9 @@ from serving_helpers import EAGER, run
 from cluster.inprocess import InProcessEngine
 from cluster.protocol import ROLE_DECODE, ROLE_PREFILL
 from cluster.service import Service
+from core.request import Request
 from core.roles import ClusterConfig, DeadlineConfig, ServeConfig, TierConfig
-from core.types import GenerateRequest, SamplingParams, WorkerUnavailable
+from core.types import SamplingParams, WorkerUnavailable
 
 pytestmark = pytest.mark.ray
 TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=4 * 2**20, host_pool_bytes=16 * 2**20)
@@ -33,7 +34,7 @@ def cluster(tiny_dir):
 
 
 def _req(i: int, n: int = 12):
-    return GenerateRequest(f"mn-{i}", tuple(range(10 + i, 60 + i)), SamplingParams(max_tokens=n, ignore_eos=True))
+    return Request(f"mn-{i}", tuple(range(10 + i, 60 + i)), SamplingParams(max_tokens=n, ignore_eos=True))
 
 
 def test_roles_place_actors_and_survive_node_loss(loop, cluster, tiny_model):
@@ -43,8 +44,8 @@ def test_roles_place_actors_and_survive_node_loss(loop, cluster, tiny_model):
     svc = Service(cfg, prefix="mn")
     run(loop, svc.start())
     try:
-        assert svc.actors.prefill_info[0]["node_id"] == prefill_node.node_id
-        assert svc.actors.decode_info[0]["node_id"] == decode_node.node_id
+        assert svc.actors.prefill_info[0].node_id == prefill_node.node_id
+        assert svc.actors.decode_info[0].node_id == decode_node.node_id
 
         eng = InProcessEngine(tiny_model, TIER, step=EAGER)
         expect = eng.generate([_req(0)])["mn-0"].token_ids
@@ -78,7 +79,7 @@ def test_roles_place_actors_and_survive_node_loss(loop, cluster, tiny_model):
 
         assert run(loop, back())
         info = ray.get(svc.actors.decode[0].ready.remote())
-        assert info["node_id"] == new_node.node_id
+        assert info.node_id == new_node.node_id
         assert [e.token.token_id for e in run(loop, svc.complete(_req(1)))] == eng.generate([_req(1)])["mn-1"].token_ids
         assert ray.get(svc.actors.decode[0].check_integrity.remote())
         eng.close()
@@ -97,8 +98,8 @@ def test_decode_replica_lands_whole_on_a_decode_node(loop, cluster, tiny_model):
     svc = Service(cfg, prefix="mnr")
     run(loop, svc.start())
     try:
-        assert [i["node_id"] for i in svc.actors.decode_info] == [node.node_id] * 2
-        assert [i["rank"] for i in svc.actors.decode_info] == [0, 1]
+        assert [i.node_id for i in svc.actors.decode_info] == [node.node_id] * 2
+        assert [i.rank for i in svc.actors.decode_info] == [0, 1]
         eng = InProcessEngine(tiny_model, TIER, step=EAGER)
         reqs = [_req(200 + i) for i in range(3)]
         expect = eng.generate(reqs)

@@ -12,8 +12,9 @@ from serving_helpers import EAGER, local_ray, run
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service
+from core.request import Request
 from core.roles import ClusterConfig, PrefillConfig, ServeConfig, TierConfig
-from core.types import GenerateRequest, SamplingParams
+from core.types import SamplingParams
 from model.loader import load_model
 
 pytestmark = pytest.mark.ray
@@ -33,7 +34,7 @@ def service(loop, tiny_dir):
 
 
 def _requests(n: int, prompt_len: int = 60, max_tokens: int = 25):
-    return [GenerateRequest(f"k{i}-{time.monotonic_ns()}", tuple((5 * i + 11 * j) % 250 + 6 for j in range(prompt_len + 37 * i)),
+    return [Request(f"k{i}-{time.monotonic_ns()}", tuple((5 * i + 11 * j) % 250 + 6 for j in range(prompt_len + 37 * i)),
                             SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for i in range(n)]
 
 
@@ -53,9 +54,9 @@ def test_pd_split_with_packed_kv_equals_dense_reference(loop, service, tiny_dir)
 
     # the handoff carried exactly the packed layout's bytes
     req = _requests(1, prompt_len=300, max_tokens=3)[0]
-    sent0 = sum(ray.get(p.stats.remote())["bytes_sent"] for p in service.actors.prefill)
+    sent0 = sum(ray.get(p.stats.remote()).bytes_sent for p in service.actors.prefill)
     run(loop, service.complete(req))
-    sent1 = sum(ray.get(p.stats.remote())["bytes_sent"] for p in service.actors.prefill)
+    sent1 = sum(ray.get(p.stats.remote()).bytes_sent for p in service.actors.prefill)
     packed = load_model(tiny_dir, kv_format="v4")
     _, layout = packed.prefill(list(req.prompt_token_ids), last_only=True)
     _, plain = load_model(tiny_dir).prefill(list(req.prompt_token_ids), last_only=True)

@@ -11,8 +11,9 @@ from serving_helpers import EAGER, complete_killing_prefill, local_ray, member_h
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service
+from core.request import Request
 from core.roles import ClusterConfig, DeadlineConfig, PrefillConfig, ServeConfig, TierConfig
-from core.types import GenerateRequest, SamplingParams, WorkerUnavailable
+from core.types import SamplingParams, WorkerUnavailable
 
 pytestmark = pytest.mark.ray
 
@@ -39,7 +40,7 @@ def _requests(n: int, prompt_len: int = 40, max_tokens: int = 30):
     for i in range(n):
         ids = tuple((7 * i + 13 * j) % 250 + 6 for j in range(prompt_len + 9 * i))
         sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0 if i % 2 == 0 else 0.8, seed=100 + i)
-        out.append(GenerateRequest(f"q{i}-{time.monotonic_ns()}", ids, sp))
+        out.append(Request(f"q{i}-{time.monotonic_ns()}", ids, sp))
     return out
 
 
@@ -54,8 +55,8 @@ def test_every_actor_says_where_and_how_it_computes(service):
     """What the start-up log prints for each actor: device, dtype, KV format, and for decode its step mode
     (here the CPU: the cluster has no GPU, so no actor reserves one)."""
     actors = service.actors
-    assert [i["describe"] for i in actors.prefill_info] == ["cpu, float32, kv bf16"] * 2
-    assert [i["describe"] for i in actors.decode_info] == ["cpu, float32, kv bf16, decode eager"] * 2
+    assert [i.describe for i in actors.prefill_info] == ["cpu, float32, kv bf16"] * 2
+    assert [i.describe for i in actors.decode_info] == ["cpu, float32, kv bf16, decode eager"] * 2
 
 
 def test_pd_equals_in_process_for_concurrent_requests(loop, service, tiny_model):
@@ -77,8 +78,8 @@ def test_handoff_bytes_equal_layout_size(loop, service, tiny_model):
     req = _requests(1, prompt_len=300, max_tokens=5)[0]
 
     def moved():
-        sent = sum(ray.get(p.stats.remote())["bytes_sent"] for p in service.actors.prefill)
-        got = sum(ray.get(d.stats.remote())["handoff_bytes"] for d in service.actors.decode)
+        sent = sum(ray.get(p.stats.remote()).bytes_sent for p in service.actors.prefill)
+        got = sum(ray.get(d.stats.remote()).handoff_bytes for d in service.actors.decode)
         return sent, got
 
     sent0, got0 = moved()
@@ -145,20 +146,20 @@ def test_client_leaving_mid_stream_frees_both_tiers(loop, service):
         await agen.aclose()
         for _ in range(100):
             stats = await asyncio.gather(*(d.stats.remote() for d in service.actors.decode))
-            if all(s["running"] == 0 and s["waiting"] == 0 for s in stats):
+            if all(s.running == 0 and s.waiting == 0 for s in stats):
                 return stats
             await asyncio.sleep(0.1)
         return stats
 
     stats = run(loop, go())
-    assert all(s["running"] == 0 and s["device_bytes_used"] == 0 and s["host_bytes_used"] == 0 for s in stats)
+    assert all(s.running == 0 and s.device_bytes_used == 0 and s.host_bytes_used == 0 for s in stats)
     _decode_integrity(service)
 
 
 def test_request_larger_than_any_budget_is_refused(loop, service):
     from core.types import NeverFitsError
 
-    big = GenerateRequest("too-big", (5, 6, 7), SamplingParams(max_tokens=130_000))  # > the 4 MiB budget
+    big = Request("too-big", (5, 6, 7), SamplingParams(max_tokens=130_000))  # > the 4 MiB budget
     with pytest.raises(NeverFitsError, match="max_tokens"):
         run(loop, service.complete(big))
 

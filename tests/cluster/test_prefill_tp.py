@@ -16,8 +16,9 @@ from serving_helpers import EAGER, local_ray, run
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service
+from core.request import Request
 from core.roles import ClusterConfig, PrefillConfig, PrefixCacheConfig, ServeConfig, TierConfig
-from core.types import GenerateRequest, SamplingParams
+from core.types import SamplingParams
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=4 * 2**20, host_pool_bytes=32 * 2**20)
@@ -39,7 +40,7 @@ def service(loop, tiny_dir):
 
 def test_tp_prefill_group_equals_one_process(loop, service, tiny_model):
     assert [m.name for m in service.frontend.prefill] == ["tptest-prefill-0-r0"]  # the follower takes no requests
-    reqs = [GenerateRequest(f"t{i}-{time.monotonic_ns()}", tuple((5 * i + 11 * j) % 250 + 6 for j in range(200 + 37 * i)),
+    reqs = [Request(f"t{i}-{time.monotonic_ns()}", tuple((5 * i + 11 * j) % 250 + 6 for j in range(200 + 37 * i)),
                             SamplingParams(max_tokens=16, ignore_eos=True)) for i in range(4)]
 
     async def go():
@@ -53,7 +54,7 @@ def test_tp_prefill_group_equals_one_process(loop, service, tiny_model):
     assert got == [want[r.request_id].token_ids for r in reqs]
     follower = ray.get_actor("tptest-prefill-0-r1", namespace="hisparse")
     stats = ray.get(follower.stats.remote(), timeout=60)
-    assert stats["tokens_in"] == sum(len(r.prompt_token_ids) for r in reqs)  # it computed every chunk with its leader
+    assert stats.tokens_in == sum(len(r.prompt_token_ids) for r in reqs)  # it computed every chunk with its leader
 
 
 def test_tp_prefill_refuses_the_prefix_cache(tiny_dir):

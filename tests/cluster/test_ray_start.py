@@ -33,7 +33,7 @@ def test_ray_start_then_serve_with_address(tiny_dir, tmp_path):
     port = free_port()
     proc = None
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--address", f"127.0.0.1:{gcs}", "--port", str(port),
+        proc = subprocess.Popen([sys.executable, "-m", "hisparse.cli", "serve", "--address", f"127.0.0.1:{gcs}", "--port", str(port),
                                  "--placement", "resources", "--device-budget", "16MiB", "--decode-mode", "eager"],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         url = f"http://127.0.0.1:{port}"

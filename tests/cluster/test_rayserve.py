@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 def test_serve_application_answers(tiny_dir):
     serve = pytest.importorskip("ray.serve", reason='Ray Serve is not installed (pip install "ray[serve]")')
-    from cluster.rayserve import app_builder
+    from hisparse.rayserve import app_builder
 
     port = free_port()
     ray.shutdown()  # an instance of its own, with role resources (see serving_helpers.local_ray)

@@ -19,8 +19,9 @@ import ray
 from serving_helpers import EAGER, complete_killing_prefill, free_port, start_gateway, stop_gateway, stream_with_fault
 
 from cluster.inprocess import InProcessEngine
+from core.request import Request
 from core.roles import ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, StepConfig, TierConfig
-from core.types import GenerateRequest, SamplingParams
+from core.types import SamplingParams
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=4 * 2**20, host_pool_bytes=32 * 2**20)
@@ -44,7 +45,7 @@ def _prompt(i: int, n: int) -> list[int]:
 
 def _reference(tiny_model, prompts, max_tokens):
     eng = InProcessEngine(tiny_model, TIER, step=EAGER)
-    reqs = [GenerateRequest(f"ref{i}", tuple(p), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    reqs = [Request(f"ref{i}", tuple(p), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
             for i, p in enumerate(prompts)]
     done = eng.generate(reqs)
     eng.close()
@@ -78,9 +79,9 @@ def test_replica_serves_http_like_one_process(gw, tiny_model):
     stats = _member_stats(gw)
     port = gw.service.config.server.port
     assert sorted(stats) == [f"e2e{port}-decode-0-r0", f"e2e{port}-decode-0-r1"]
-    assert all(s["handoffs"] > 0 for s in stats.values()), f"the router used one decode rank only: {stats}"
-    assert all(s["step"]["mode"] == "eager" for s in stats.values())  # a captured step would miss the exchanges
-    sent = [ray.get(m.handle.stats.remote(), timeout=60)["handoffs"] for m in gw.service.frontend.prefill]
+    assert all(s.handoffs > 0 for s in stats.values()), f"the router used one decode rank only: {stats}"
+    assert all(s.step.mode == "eager" for s in stats.values())  # a captured step would miss the exchanges
+    sent = [ray.get(m.handle.stats.remote(), timeout=60).handoffs for m in gw.service.frontend.prefill]
     assert len(sent) == 2 and all(n > 0 for n in sent), f"the router used one prefill rank only: {sent}"
 
 
@@ -88,7 +89,7 @@ def test_rank_killed_mid_stream_fails_over(gw, tiny_model):
     svc = gw.service
     prompts = [_prompt(i, 60) for i in range(4)]
     want = _reference(tiny_model, prompts, 80)
-    reqs = [GenerateRequest(f"k{i}-{time.monotonic_ns()}", tuple(p), SamplingParams(max_tokens=80, ignore_eos=True))
+    reqs = [Request(f"k{i}-{time.monotonic_ns()}", tuple(p), SamplingParams(max_tokens=80, ignore_eos=True))
             for i, p in enumerate(prompts)]
     old_ids = {m.name: m.handle._actor_id for m in svc.frontend.decode}
 
@@ -120,7 +121,7 @@ def test_prefill_rank_killed_mid_prompt_is_retried(gw, tiny_model):
     svc = gw.service
     prompt = _prompt(3, 4000)  # 16 chunks of 256 tokens: time to kill its rank mid-prompt
     want = _reference(tiny_model, [prompt], 8)[0]
-    req = GenerateRequest(f"p-{time.monotonic_ns()}", tuple(prompt), SamplingParams(max_tokens=8, ignore_eos=True))
+    req = Request(f"p-{time.monotonic_ns()}", tuple(prompt), SamplingParams(max_tokens=8, ignore_eos=True))
     old = {m.name: m.handle._actor_id for m in svc.frontend.prefill}
 
     before = svc.frontend.retries["prefill"]

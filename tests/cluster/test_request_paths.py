@@ -15,9 +15,9 @@ from cachetier.layout import pack_layout
 from cluster.inprocess import InProcessEngine
 from cluster.protocol import DecodeTarget, Handoff, RequestGone
 from cluster.service import Service
+from core.request import Attempt, Request
 from core.roles import ClusterConfig, DeadlineConfig, FaultConfig, PrefillConfig, ServeConfig, TierConfig
-from core.types import CapacityError, GenerateRequest, HisparseError, RequestFailed, SampledToken, SamplingParams
-from prefill.worker import PrefillRequest
+from core.types import CapacityError, HisparseError, RequestFailed, SampledToken, SamplingParams
 
 pytestmark = pytest.mark.ray
 
@@ -40,11 +40,11 @@ def service(loop, tiny_dir):
     run(loop, svc.stop(shutdown_ray=False))
 
 
-def _req(i: int, prompt_len: int = 50, max_tokens: int = 20, poison: bool = False) -> GenerateRequest:
+def _req(i: int, prompt_len: int = 50, max_tokens: int = 20, poison: bool = False) -> Request:
     ids = [(11 * i + 5 * j) % 250 + 6 for j in range(prompt_len)]
     if poison:
         ids[prompt_len // 2] = POISON
-    return GenerateRequest(f"p{i}-{time.monotonic_ns()}", tuple(ids), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return Request(f"p{i}-{time.monotonic_ns()}", tuple(ids), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
 def _alone(tiny_model, reqs):
@@ -61,8 +61,8 @@ def _settled(loop, service, timeout_s: float = 30.0) -> None:
         while True:
             p = await asyncio.gather(*(a.stats.remote() for a in service.actors.prefill))
             d = await asyncio.gather(*(a.stats.remote() for a in service.actors.decode))
-            held = sum(s["held_layouts"] + s["held_bytes"] + s["pending"] for s in p)
-            busy = sum(s["running"] + s["reserved"] + s["waiting"] + s["device_bytes_used"] + s["host_bytes_used"] + s["owners"]
+            held = sum(s.held_layouts + s.held_bytes + s.pending for s in p)
+            busy = sum(s.running + s.reserved + s.waiting + s.device_bytes_used + s.host_bytes_used + s.owners
                        for s in d)
             if held == 0 and busy == 0 and not service.frontend.collectors:
                 return
@@ -110,10 +110,11 @@ def test_refused_and_mismatched_handoffs_let_go_of_the_layout(loop, service, tin
     assert ok
     ray.get(d.abort.remote(["gone.0"]))  # the reservation is gone before the layout arrives
     with pytest.raises(RequestGone):
-        ray.get(p.prefill.remote(PrefillRequest("gone.0", tuple(range(6, 40)), sp, 0), DecodeTarget(d, "d", "test")))
+        ray.get(p.prefill.remote(Attempt.of(Request("gone.0", tuple(range(6, 40)), sp, 0)), DecodeTarget(d, "d", "test")))
     _, layout = tiny_model.prefill(list(range(6, 40)), last_only=True)
     packed = pack_layout(layout, "v1:not-this-model")
-    h = Handoff("odd.0", SampledToken(7), sp, 0, 1, "test", "v1:not-this-model", packed.tensor_bytes)
+    h = Handoff(Attempt(Request("odd", (), sp, 0, prompt_len=layout.num_tokens), "odd.0", owner="test"), SampledToken(7), 1,
+                "v1:not-this-model", packed.tensor_bytes)
     with pytest.raises(HisparseError, match="format"):
         ray.get(d.admit.remote(h, packed))
     _settled(loop, service)
@@ -181,11 +182,11 @@ def test_full_decode_side_is_503_before_any_token(loop, service):
 def test_a_gateway_that_stops_polling_is_dropped(loop, service):
     d = service.actors.decode[1]
     ok, _ = ray.get(d.reserve.remote("ghost", "ghost.0", 200))
-    assert ok and ray.get(d.stats.remote())["reserved"] == 1
+    assert ok and ray.get(d.stats.remote()).reserved == 1
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         st = ray.get(d.stats.remote())
-        if st["reserved"] == 0 and st["dropped_subscribers"] >= 1:
+        if st.reserved == 0 and st.dropped_subscribers >= 1:
             break
         time.sleep(0.3)
     else:

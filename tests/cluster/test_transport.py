@@ -10,8 +10,9 @@ from serving_helpers import EAGER, local_ray, run
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service
+from core.request import Request
 from core.roles import ClusterConfig, ServeConfig, TierConfig
-from core.types import GenerateRequest, SamplingParams
+from core.types import SamplingParams
 
 pytestmark = pytest.mark.ray
 TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=4 * 2**20, host_pool_bytes=16 * 2**20)
@@ -22,7 +23,7 @@ def test_gloo_transport_hands_layouts_over(loop, tiny_dir, tiny_model):
     svc = Service(ServeConfig(step=EAGER, model="tiny", tier=TIER, cluster=ClusterConfig(placement="any", transport="gloo")), prefix="gloo")
     try:
         run(loop, svc.start())
-        reqs = [GenerateRequest(f"g{i}", tuple(range(20 + i, 90 + 3 * i)), SamplingParams(max_tokens=10, ignore_eos=True))
+        reqs = [Request(f"g{i}", tuple(range(20 + i, 90 + 3 * i)), SamplingParams(max_tokens=10, ignore_eos=True))
                 for i in range(3)]
 
         async def go():
@@ -34,8 +35,8 @@ def test_gloo_transport_hands_layouts_over(loop, tiny_dir, tiny_model):
         eng.close()
         assert got == ref
         layouts = [tiny_model.prefill(list(r.prompt_token_ids), last_only=True)[1] for r in reqs]
-        assert ray.get(svc.actors.decode[0].stats.remote())["handoff_bytes"] == sum(lay.total_bytes() for lay in layouts)
+        assert ray.get(svc.actors.decode[0].stats.remote()).handoff_bytes == sum(lay.total_bytes() for lay in layouts)
         st = ray.get(svc.actors.prefill[0].stats.remote())
-        assert st["held_layouts"] == 0 and st["held_bytes"] == 0  # every handoff finished and let go of its layout
+        assert st.held_layouts == 0 and st.held_bytes == 0  # every handoff finished and let go of its layout
     finally:
         run(loop, svc.stop(shutdown_ray=False))

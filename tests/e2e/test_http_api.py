@@ -12,8 +12,9 @@ import ray
 from serving_helpers import EAGER, free_port, start_gateway, stop_gateway
 
 from cluster.inprocess import InProcessEngine
+from core.request import Request
 from core.roles import ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, TierConfig
-from core.types import GenerateRequest, SamplingParams
+from core.types import SamplingParams
 
 pytestmark = pytest.mark.ray
 TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=5 * 2**20, host_pool_bytes=64 * 2**20, max_running=64)
@@ -49,7 +50,7 @@ def _sse(text: str) -> list:
 
 def _plain(tiny_model, prompt_ids, max_tokens, **sp):
     eng = InProcessEngine(tiny_model, TIER, step=EAGER)
-    done = eng.generate([GenerateRequest("ref", tuple(prompt_ids), SamplingParams(max_tokens=max_tokens, **sp))])["ref"]
+    done = eng.generate([Request("ref", tuple(prompt_ids), SamplingParams(max_tokens=max_tokens, **sp))])["ref"]
     eng.close()
     return done
 
@@ -215,7 +216,7 @@ def test_disconnect_mid_stream_frees_both_tiers(gw):
         raise AssertionError("memory was not returned after the client left:\n" + m)
     for d in gw.service.actors.decode:
         assert ray.get(d.check_integrity.remote())
-        assert ray.get(d.stats.remote())["running"] == 0
+        assert ray.get(d.stats.remote()).running == 0
 
 
 def test_metrics_exposes_latencies_and_tier(gw):
@@ -327,7 +328,7 @@ def test_non_streaming_client_that_leaves_is_aborted(gw):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         st = [ray.get(d.stats.remote()) for d in gw.service.actors.decode]
-        if all(x["running"] == 0 and x["device_bytes_used"] == 0 for x in st):
+        if all(x.running == 0 and x.device_bytes_used == 0 for x in st):
             break
         time.sleep(0.3)
     else:

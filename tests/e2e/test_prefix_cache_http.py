@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 def _serve(tiny_dir, directory, port):
     env = dict(os.environ, HISPARSE_CACHE=str(tiny_dir.parent.parent))
-    return subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--device-budget", "16MiB",
+    return subprocess.Popen([sys.executable, "-m", "hisparse.cli", "serve", "--port", str(port), "--device-budget", "16MiB",
                              "--prefill-num-cpus", "0.5", "--decode-num-cpus", "0.5", "--num-prefill", "2",
                              "--prefix-cache", "on", "--prefix-cache-page-tokens", "64", "--prefix-cache-disk-bytes",
                              "64MiB", "--prefix-cache-dir", str(directory), "--decode-mode", "eager"],

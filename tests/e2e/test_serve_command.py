@@ -18,7 +18,7 @@ def test_hisparse_serve_end_to_end(tiny_dir):
     port = free_port()
     env = dict(os.environ, HISPARSE_CACHE=str(tiny_dir.parent.parent))
     env.pop("RAY_AUTH_MODE", None)  # what a user's shell has: the command decides the mode itself
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--device-budget", "16MiB",
+    proc = subprocess.Popen([sys.executable, "-m", "hisparse.cli", "serve", "--port", str(port), "--device-budget", "16MiB",
                              "--prefill-num-cpus", "0.5", "--decode-num-cpus", "0.5"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -41,7 +41,7 @@ def test_two_gateway_processes_behind_an_api_key(tiny_dir):
     never printed; /metrics counts the requests of both processes."""
     port = free_port()
     env = dict(os.environ, HISPARSE_CACHE=str(tiny_dir.parent.parent), HISPARSE_API_KEY="k-9f2e1d")
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--device-budget", "16MiB",
+    proc = subprocess.Popen([sys.executable, "-m", "hisparse.cli", "serve", "--port", str(port), "--device-budget", "16MiB",
                              "--prefill-num-cpus", "0.5", "--decode-num-cpus", "0.5", "--api-workers", "2",
                              "--decode-mode", "eager"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

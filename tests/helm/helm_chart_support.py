@@ -126,7 +126,7 @@ def serve_args(docs: list[dict]) -> list[str]:
 
 def parse_serve(args: list[str]):
     """Parse with the project's own `hisparse serve` parser: the rendered flags must be accepted as they are."""
-    from cluster.cli import build_parser, serve_config
+    from hisparse.cli import build_parser, serve_config
 
     return serve_config(build_parser().parse_args(["serve", *args]))
 

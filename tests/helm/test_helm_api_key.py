@@ -23,7 +23,7 @@ CHART_SECRET = f"{RELEASE}-hisparse-api-key"
 
 
 def _api_key_env():
-    from cluster.cli import API_KEY_ENV
+    from hisparse.cli import API_KEY_ENV
 
     return API_KEY_ENV
 
@@ -99,7 +99,7 @@ def test_key_value_appears_only_in_the_created_secret(helm, mode):
 def test_hisparse_serve_reads_the_key_from_the_environment_only(helm, monkeypatch, mode):
     # The rendered flags carry no key; the project's own parser then takes it from HISPARSE_API_KEY,
     # the variable the secretKeyRef fills in (in rayservice mode app_builder parses argv the same way).
-    from cluster.cli import build_parser, serve_config
+    from hisparse.cli import build_parser, serve_config
 
     docs = helm.render(sets=(*EXISTING, f"mode={mode}"))
     if mode == "raycluster":

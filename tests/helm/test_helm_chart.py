@@ -426,7 +426,7 @@ def test_rayservice_runs_the_builder_with_the_serve_flags(helm):
     # Ray reads serveConfigV2 with a YAML 1.1 reader, like PyYAML: on/off must stay strings.
     config = yaml.safe_load(spec["serveConfigV2"])
     (app,) = config["applications"]
-    assert app["import_path"] == "cluster.rayserve:app_builder" and app["route_prefix"] == "/"
+    assert app["import_path"] == "hisparse.rayserve:app_builder" and app["route_prefix"] == "/"
     argv = app["args"]["argv"]
     assert all(isinstance(a, str) for a in argv), argv
     assert not {"--address", "--host", "--port"} & set(argv)

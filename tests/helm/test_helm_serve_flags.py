@@ -64,7 +64,7 @@ def test_every_serving_value_reaches_the_rayservice_application(helm):
 
 def test_default_values_are_hisparse_defaults(helm):
     # The chart passes every flag explicitly; its defaults must be the ones `hisparse serve` has itself.
-    from cluster.cli import build_parser, serve_config
+    from hisparse.cli import build_parser, serve_config
 
     own = serve_config(build_parser().parse_args(["serve"]))
     default = parse_serve(serve_args(helm.render()))

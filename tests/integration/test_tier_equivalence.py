@@ -42,7 +42,7 @@ def _schedule(model, store, step_config=None, short=False):
         sp = SamplingParams(max_tokens=mt, ignore_eos=True, temperature=0.0 if i % 2 == 0 else 0.9, top_p=0.95)
         logits, layout = model.prefill(ids, last_only=True)
         first = sample(logits, [sp], [1000 + i], [0])[0]
-        reqs.append(DecodeRequest(f"r{i}", layout, first, sp, seed=1000 + i))
+        reqs.append(DecodeRequest.fresh(f"r{i}", layout, first, sp, seed=1000 + i))
     worker = DecodeWorker(model, store, max_running=16, step_config=step_config or EAGER_STEP)
     out = {r.request_id: [r.first_token.token_id] for r in reqs}
     step, max_batch = 0, 0

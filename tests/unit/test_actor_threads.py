@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cachetier.layout import pack_layout
 from cluster.decode_actor import DecodeActor
 from cluster.protocol import Handoff
+from core.request import Attempt, Request
 from core.roles import EAGER_STEP, TierConfig
 from core.types import SamplingParams, plain_token
 
@@ -71,7 +72,8 @@ def test_reserve_admit_and_poll_run_no_tensor_op_on_the_event_loop(actor):
         _, layout = model.prefill(prompt, last_only=True)
     packed = pack_layout(layout, actor.format)
     sampling = SamplingParams(max_tokens=6, ignore_eos=True)
-    h = Handoff("r1", plain_token(7), sampling, 0, 1, "gw", actor.format, packed.tensor_bytes)
+    h = Handoff(Attempt(Request("r1", tuple(prompt), sampling, 0), "r1", owner="gw").stripped(), plain_token(7), 1,
+                actor.format, packed.tensor_bytes)
 
     async def entry_points():
         ok, _ = await actor.reserve("gw", "r1", len(prompt) + sampling.max_tokens)
@@ -81,7 +83,7 @@ def test_reserve_admit_and_poll_run_no_tensor_op_on_the_event_loop(actor):
         deadline = time.monotonic() + 60
         while len(tokens) < sampling.max_tokens - 1 and time.monotonic() < deadline:
             msg = await actor.poll("gw")
-            tokens += [t for d in msg.deltas.values() for t in d[1]]
+            tokens += [t for d in msg.deltas.values() for t in d.token_ids]
         return tokens
 
     with RecordOps() as rec:

@@ -30,7 +30,7 @@ from bench.serve import (
     spread_tokens,
     token_gaps,
 )
-from cluster import bench_cmd
+from hisparse import bench_cmd
 
 MODEL = "fake-model"
 TOKEN_DELAY_S = 0.002

@@ -13,7 +13,7 @@ from model.generate import generate_plain
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", "generate", *args], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-m", "hisparse.cli", "generate", *args], capture_output=True, text=True, timeout=300,
         env=dict(os.environ),
     )
 

@@ -24,7 +24,7 @@ def _request(model, rid, prompt_len=60, max_tokens=12, seed=0, **kw):
     ids = torch.randint(6, model.cfg.vocab_size, (prompt_len,), generator=g).tolist()
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     logits, layout = model.prefill(ids, last_only=True)
-    return DecodeRequest(rid, layout, sample(logits, [sp], [seed], [0])[0], sp, seed, **kw)
+    return DecodeRequest.fresh(rid, layout, sample(logits, [sp], [seed], [0])[0], sp, seed, **kw)
 
 
 def _run(worker: DecodeWorker, max_steps: int = 200) -> dict[str, list[int]]:
@@ -48,7 +48,7 @@ def test_reserved_path_gives_the_queued_path_tokens(tiny_model):
     reqs = [_request(tiny_model, f"r{i}", 40 + 9 * i, seed=i) for i in range(3)]
     queued = DecodeWorker(tiny_model, TieredStore(tiny_model.cfg, TIER), step_config=EAGER)
     for r in reqs:
-        queued.submit(DecodeRequest(r.request_id, r.layout.clone(), r.first_token, r.sampling, r.seed))
+        queued.submit(DecodeRequest.fresh(r.request_id, r.layout.clone(), r.first_token, r.sampling, r.seed))
     want = _run(queued)
 
     store = TieredStore(tiny_model.cfg, TIER)
@@ -145,7 +145,7 @@ def test_a_poisoned_request_fails_its_step_and_then_fails_alone(tiny_model):
 
 
 def _copy(r: DecodeRequest) -> DecodeRequest:
-    return DecodeRequest(r.request_id, r.layout.clone(), r.first_token, r.sampling, r.seed)
+    return DecodeRequest.fresh(r.request_id, r.layout.clone(), r.first_token, r.sampling, r.seed)
 
 
 def _run_alone(model, reqs: list[DecodeRequest]) -> dict[str, list[int]]:
@@ -194,7 +194,7 @@ def test_a_step_batch_ends_each_request_by_its_own_rule(tiny_model, with_logprob
     layout = tiny_model.prefill(list(range(6, 30)), last_only=True)[1]
 
     def req(rid, first, solo=False, **sp):
-        return DecodeRequest(rid, layout.clone(), SampledToken(first), SamplingParams(**sp), 0, solo=solo)
+        return DecodeRequest.fresh(rid, layout.clone(), SampledToken(first), SamplingParams(**sp), 0, solo=solo)
 
     worker.submit(req("length", 100, max_tokens=5, ignore_eos=True))
     worker.submit(req("stop_id", 200, max_tokens=10, stop_token_ids=(203,)))

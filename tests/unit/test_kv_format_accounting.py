@@ -85,7 +85,7 @@ def test_cli_generate_with_packed_kv_matches_the_dense_reference(tiny_dir):
     from model.generate import generate_plain
     from model.loader import load_model
 
-    r = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", "--kv-format", "v4", "--prompt-ids", "5,6,7,8,9",
+    r = subprocess.run([sys.executable, "-m", "hisparse.cli", "generate", "--kv-format", "v4", "--prompt-ids", "5,6,7,8,9",
                         "--max-tokens", "10", "--json", "--ignore-eos"], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ))
     assert r.returncode == 0, r.stderr

@@ -13,6 +13,7 @@ import torch
 from cachetier.layout import pack_layout, unpack_layout
 from cachetier.store import LayoutStore, TieredStore
 from core.kv_format import fp4_key_bytes, fp8_main_row_bytes
+from core.request import Attempt, Request
 from core.roles import TierConfig
 from model.loader import load_model
 
@@ -137,7 +138,7 @@ def test_prefix_cache_holds_packed_rows(models):
     """Prefill resumed from cached packed pages and state equals a cold packed prefill (same bytes, same logits)."""
     from core.roles import PrefillConfig, PrefixCacheConfig
     from core.types import SamplingParams
-    from prefill.worker import PrefillRequest, PrefillWorker
+    from prefill.worker import PrefillWorker
 
     model = models["v4"]
     g = torch.Generator().manual_seed(5)
@@ -146,7 +147,7 @@ def test_prefix_cache_holds_packed_rows(models):
     sp = SamplingParams(max_tokens=4, temperature=0.0)
 
     def prefill(worker, tokens, rid):
-        worker.submit(PrefillRequest(rid, tuple(tokens), sp, 1))
+        worker.submit(Attempt.of(Request(rid, tuple(tokens), sp, 1)))
         out = []
         while worker.has_work():
             out += worker.step()

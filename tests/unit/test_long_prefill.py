@@ -10,10 +10,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from cachetier.layout import KVLayout, append_rows, reserve_rows, row_capacity
+from core.request import Attempt, Request
 from core.roles import PrefillConfig
 from core.types import SamplingParams
 from model.prefill import chunk_transient_bytes, prefill_layer
-from prefill.worker import PrefillRequest, PrefillWorker
+from prefill.worker import PrefillWorker
 
 
 def _prompt(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -143,12 +144,12 @@ def test_appends_are_amortised_and_keep_earlier_views():
 def test_worker_reports_progress_and_hands_over_exact_layouts(tiny_model):
     worker = PrefillWorker(tiny_model, PrefillConfig(max_batch_tokens=256))
     vocab = tiny_model.cfg.vocab_size
-    worker.submit(PrefillRequest("a", tuple(_prompt(700, vocab).tolist()), SamplingParams(max_tokens=4), 0))
-    worker.submit(PrefillRequest("b", tuple(_prompt(100, vocab, 2).tolist()), SamplingParams(max_tokens=4), 0))
+    worker.submit(Attempt.of(Request("a", tuple(_prompt(700, vocab).tolist()), SamplingParams(max_tokens=4), 0)))
+    worker.submit(Attempt.of(Request("b", tuple(_prompt(100, vocab, 2).tolist()), SamplingParams(max_tokens=4), 0)))
     seen = [[(p.request_id, p.done_tokens, p.total_tokens) for p in worker.progress()]]
     finished = []
     while worker.has_work():
-        finished += [r.request_id for r in worker.step()]
+        finished += [r.key for r in worker.step()]
         seen.append([(p.request_id, p.done_tokens, p.total_tokens) for p in worker.progress()])
     assert seen == [
         [("a", 0, 700), ("b", 0, 100)],
@@ -163,7 +164,7 @@ def test_worker_reports_progress_and_hands_over_exact_layouts(tiny_model):
 def test_finished_layout_carries_no_spare_rows(tiny_model):
     """The worker reserves exactly the prompt's entries, so the handed-over tensors pickle at their own size."""
     worker = PrefillWorker(tiny_model, PrefillConfig(max_batch_tokens=128))
-    worker.submit(PrefillRequest("a", tuple(_prompt(1000, tiny_model.cfg.vocab_size).tolist()), SamplingParams(max_tokens=4), 0))
+    worker.submit(Attempt.of(Request("a", tuple(_prompt(1000, tiny_model.cfg.vocab_size).tolist()), SamplingParams(max_tokens=4), 0)))
     (res,) = [r for _ in range(8) for r in worker.step()]
     for t in _growing(res.layout):
         assert row_capacity(t) == t.shape[0]

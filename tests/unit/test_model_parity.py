@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 from hf_reference import CONFIGS, hf_and_ours, hf_step_logits  # noqa: E402
 
 from cachetier.layout import KVLayout  # noqa: E402
+from core.request import Attempt, Request
 from core.types import SamplingParams  # noqa: E402
 from model.generate import generate_plain  # noqa: E402
 from model.loader import load_model, save_checkpoint  # noqa: E402
@@ -179,14 +180,14 @@ def test_prompt_logprobs_equal_hf_log_softmax(pair):
     """Prompt scores for echo + logprobs: chunked prefill, the first token without a score, each other token
     scored by the logits before it (HF's log-softmax of a full forward)."""
     from core.roles import PrefillConfig
-    from prefill.worker import PrefillRequest, PrefillWorker
+    from prefill.worker import PrefillWorker
 
     hf, ours = pair
     ids = _ids(53, ours.cfg.vocab_size, 9)
     with torch.no_grad():
         ref = torch.log_softmax(hf(ids[None], use_cache=False).logits[0].float(), dim=-1)
     worker = PrefillWorker(ours, PrefillConfig(max_batch_tokens=16))  # 4 chunks: the scores cross chunk boundaries
-    worker.submit(PrefillRequest("s", tuple(ids.tolist()), SamplingParams(max_tokens=0, prompt_logprobs=3), 0))
+    worker.submit(Attempt.of(Request("s", tuple(ids.tolist()), SamplingParams(max_tokens=0, prompt_logprobs=3), 0)))
     done = []
     while worker.has_work():
         done += worker.step()

@@ -350,7 +350,7 @@ def test_planner_reports_packed_and_dequantized_bytes_per_gpu():
 
 
 def test_plan_command_reads_packedness_from_the_checkpoint(realformat_dir, tiny_dir, capsys):
-    from cluster import plan_cmd
+    from hisparse import plan_cmd
 
     def run(model: str) -> dict:
         assert plan_cmd.main(["--model", str(model), "--gpu", "1GB", "--context", "4K", "--num-gpus", "1", "--json"]) == 0

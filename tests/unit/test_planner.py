@@ -13,9 +13,9 @@ import pytest
 
 from cachetier import planner
 from cachetier.planner import PlanError, PlanInputs, compressor_state_bytes, estimate_weights, plan
-from cluster import plan_cmd
 from core.config import CSA, HCA, SLIDING, ModelConfig
 from core.presets import V4_FLASH, V4_PRO
+from hisparse import plan_cmd
 
 ROOT = Path(__file__).resolve().parents[2]
 GiB, MiB, KiB = 2**30, 2**20, 2**10
@@ -202,7 +202,7 @@ def test_cache_kind_names_match_the_layout():
 
 
 def test_planner_needs_no_torch():
-    code = "import sys, cachetier.planner, cluster.plan_cmd; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, cachetier.planner, hisparse.plan_cmd; assert 'torch' not in sys.modules, 'torch imported'"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
 
@@ -298,7 +298,7 @@ def test_directory_without_config_is_a_clear_error(capsys, tmp_path):
 
 def test_module_entry_point_prints_a_table():
     r = subprocess.run(
-        [sys.executable, "-m", "cluster.plan_cmd", "--model", "v4-flash", "--gpu", "h200", "--context", "1M"],
+        [sys.executable, "-m", "hisparse.plan_cmd", "--model", "v4-flash", "--gpu", "h200", "--context", "1M"],
         cwd=ROOT, capture_output=True, text=True, timeout=60, env=dict(os.environ),
     )
     assert r.returncode == 0, r.stderr

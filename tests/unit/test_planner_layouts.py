@@ -9,10 +9,10 @@ import pytest
 from test_planner import _small  # the small geometry checked by hand there
 
 from cachetier.planner import PlanError, PlanInputs, estimate_weights, plan
-from cluster import plan_cmd
 from core.config import WEIGHTS_DEQUANTIZE
 from core.parallel import ParallelLayout
 from core.presets import V4_FLASH, V4_PRO
+from hisparse import plan_cmd
 
 GiB = 2**30
 ONE_M = 2**20

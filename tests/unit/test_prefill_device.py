@@ -13,15 +13,16 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
+from core.request import Attempt, Request
 from core.roles import PrefillConfig
 from core.types import SamplingParams
 from kernels.capture_guard import fake_cuda
-from prefill.worker import PrefillRequest, PrefillWorker, _Pending
+from prefill.worker import PrefillWorker, _Pending
 
 
 def test_prompt_logprobs_are_scored_on_the_logits_device(tiny_model):
     worker = PrefillWorker(tiny_model, PrefillConfig())
-    req = PrefillRequest("r", tuple(range(6, 30)), SamplingParams(max_tokens=1, prompt_logprobs=2), 0)
+    req = Attempt.of(Request("r", tuple(range(6, 30)), SamplingParams(max_tokens=1, prompt_logprobs=2), 0))
     p = _Pending(req)
     with fake_cuda():
         logits = torch.randn(len(p.tokens), tiny_model.cfg.vocab_size, device="cuda")

@@ -6,8 +6,9 @@ import asyncio
 
 from cluster.affinity import PrefixAffinity
 from cluster.frontend import Frontend
+from cluster.protocol import Capacity, DecodeInfo, PrefillInfo
+from core.request import Attempt, Request
 from core.types import SamplingParams
-from prefill.worker import PrefillRequest
 
 PAGE = 4
 
@@ -73,12 +74,15 @@ def test_frontend_routes_by_prefix():
     class Handle:
         pass
 
-    info = {"prefix_page_tokens": PAGE, "prefix_affinity_slack": 100}
-    fe = Frontend([(Handle(), {"name": f"p{i}", **info}) for i in range(3)], [(Handle(), {"name": "d0"})])
+    common = dict(node_id="n", pid=1, layout_format="f", describe="cpu")
+    prefill = [(Handle(), PrefillInfo(name=f"p{i}", prefix_page_tokens=PAGE, prefix_affinity_slack=100, prefix_pages=(),
+                                      **common)) for i in range(3)]
+    decode = [(Handle(), DecodeInfo(name="d0", capacity=Capacity(64, 1, 256, 8), **common))]
+    fe = Frontend(prefill, decode)
     sp = SamplingParams(max_tokens=1)
 
     async def pick(rid, tokens):
-        m = await fe._pick_prefill(PrefillRequest(rid, tuple(tokens), sp, 0))
+        m = await fe.placement.pick_prefill(Attempt.of(Request(rid, tuple(tokens), sp, 0)))
         m.load[rid] = len(tokens)  # what `_prefill_on` records while the prompt is in flight
         return m.name
 

@@ -11,10 +11,11 @@ import torch
 
 from cachetier.layout import layout_format
 from cachetier.prefix import PrefixCache
+from core.request import Attempt, Request
 from core.roles import PrefillConfig, PrefixCacheConfig
 from core.types import SamplingParams
 from model.sampling import sample
-from prefill.worker import PrefillRequest, PrefillWorker
+from prefill.worker import PrefillWorker
 
 PAGE = 64  # two HCA windows (32) of the built-in model, sixteen C4 windows (4)
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
@@ -42,7 +43,7 @@ _ids = iter(range(10**9))
 
 
 def _prefill(worker: PrefillWorker, tokens: list[int], sp: SamplingParams = GREEDY):
-    worker.submit(PrefillRequest(f"r{next(_ids)}", tuple(tokens), sp, 11))
+    worker.submit(Attempt.of(Request(f"r{next(_ids)}", tuple(tokens), sp, 11)))
     out = []
     while worker.has_work():
         out += worker.step()
@@ -57,7 +58,7 @@ def _continue(model, res, steps: int = 5) -> tuple[list[int], torch.Tensor]:
     for i in range(steps):
         lo = model.decode_layouts([layout], [tok])
         seen.append(lo)
-        tok = sample(lo, [res.sampling], [res.seed], [i + 1])[0].token_id
+        tok = sample(lo, [res.attempt.sampling], [res.attempt.seed], [i + 1])[0].token_id
         toks.append(tok)
     return toks, torch.cat(seen)
 

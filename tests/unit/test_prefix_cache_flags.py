@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from api.metrics import Metrics
-from cluster.cli import build_parser, serve_config
 from core.roles import PrefixCacheConfig
+from hisparse.cli import build_parser, serve_config
 
 
 def test_flags_build_the_prefix_cache_config(tmp_path):

@@ -340,7 +340,7 @@ def test_decode_groups_sample_each_request_as_it_would_alone(tiny_model):
     while step < 6 or worker.has_work():
         for rid, first, n_gen, sp, seed, join, solo in specs:
             if join == step:
-                worker.submit(DecodeRequest(rid, layout.clone(), SampledToken(first), sp, seed, n_gen, solo=solo))
+                worker.submit(DecodeRequest.fresh(rid, layout.clone(), SampledToken(first), sp, seed, n_gen, solo=solo))
         for ev in worker.step():
             seen.setdefault(ev.request_id, []).append(ev.token.token_id)
         step += 1

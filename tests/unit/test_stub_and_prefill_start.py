@@ -5,15 +5,16 @@ from __future__ import annotations
 import pytest
 
 from cachetier.store import TieredStore
+from core.request import Attempt, Request
 from core.roles import PrefillConfig, PrefixCacheConfig, StubConfig, TierConfig
 from core.types import SamplingParams
 from decode.worker import DecodeRequest, DecodeWorker
 from model.stub import StubModel
-from prefill.worker import PrefillRequest, PrefillWorker
+from prefill.worker import PrefillWorker
 
 
-def _req(rid: str, n: int, max_tokens: int = 5) -> PrefillRequest:
-    return PrefillRequest(rid, tuple(range(6, 6 + n)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), seed=0)
+def _req(rid: str, n: int, max_tokens: int = 5) -> Attempt:
+    return Attempt.of(Request(rid, tuple(range(6, 6 + n)), SamplingParams(max_tokens=max_tokens, ignore_eos=True), seed=0))
 
 
 @pytest.mark.parametrize("prefix_cache", [False, True])
@@ -25,13 +26,13 @@ def test_stub_prefills_and_decodes(tiny_model, prefix_cache):
     done = []
     while prefill.has_work():
         done += prefill.step()
-    assert [d.request_id for d in done] == ["r0", "r1", "r2"] and not prefill.take_failures()
+    assert [d.key for d in done] == ["r0", "r1", "r2"] and not prefill.take_failures()
     assert [d.layout.num_tokens for d in done] == [7, 40, 300]
 
     store = TieredStore(tiny_model.cfg, TierConfig(device_budget_bytes=16 * 2**20, host_pool_bytes=16 * 2**20))
     decode = DecodeWorker(stub, store, max_running=4, eos_ids=())
     for d in done:
-        decode.submit(DecodeRequest(d.request_id, d.layout, d.first_token, SamplingParams(max_tokens=5, ignore_eos=True), seed=0))
+        decode.submit(DecodeRequest.fresh(d.key, d.layout, d.first_token, SamplingParams(max_tokens=5, ignore_eos=True), seed=0))
     tokens: dict[str, list[int]] = {}
     while decode.has_work():
         for ev in decode.step():
@@ -46,7 +47,7 @@ def test_a_prefill_that_cannot_start_fails_alone(tiny_model, monkeypatch):
     real_start = worker._start
 
     def start(p):
-        if p.req.request_id == "bad":
+        if p.req.key == "bad":
             raise RuntimeError("no layout for you")
         real_start(p)
 
@@ -54,7 +55,7 @@ def test_a_prefill_that_cannot_start_fails_alone(tiny_model, monkeypatch):
     for rid in ("a", "bad", "b"):
         worker.submit(_req(rid, 12))
     done = worker.step()
-    assert sorted(d.request_id for d in done) == ["a", "b"]
+    assert sorted(d.key for d in done) == ["a", "b"]
     failures = worker.take_failures()
     assert [f.request_id for f in failures] == ["bad"] and "could not start" in failures[0].message
     assert not worker.has_work()

@@ -43,7 +43,7 @@ def _request(model, rid, prompt_len, max_tokens, seed=0):
     ids = torch.randint(6, model.cfg.vocab_size, (prompt_len,), generator=g).tolist()
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     logits, layout = model.prefill(ids, last_only=True)
-    return DecodeRequest(rid, layout, sample(logits, [sp], [seed], [0])[0], sp, seed)
+    return DecodeRequest.fresh(rid, layout, sample(logits, [sp], [seed], [0])[0], sp, seed)
 
 
 def test_admission_counts_match_footprint(tiny_model):
@@ -62,7 +62,7 @@ def test_admission_counts_match_footprint(tiny_model):
         assert nb == 4
         expected = geo.num_pages // (geo.group_pages + nb)
         for i in range(expected + 3):
-            worker.submit(DecodeRequest(f"r{i}", base.layout.clone(), base.first_token, base.sampling, 0))
+            worker.submit(DecodeRequest.fresh(f"r{i}", base.layout.clone(), base.first_token, base.sampling, 0))
         worker._admit()
         assert len(worker.running) == expected
         assert len(worker.waiting) == 3
@@ -151,13 +151,20 @@ def test_worker_checks_integrity_when_it_goes_idle(tiny_model):
         assert worker.integrity_checks == 0
         worker.step()
     assert worker.integrity_checks == 1
-    # and a broken invariant surfaces at that moment
+    # and a broken invariant surfaces at that moment: counted (what /metrics shows), and the worker goes on
     worker.submit(_request(tiny_model, "j", 100, 3))
     worker.step()
     store.pages.num_free -= 1  # a page leaks
-    with pytest.raises(IntegrityError):
-        while worker.has_work():
-            worker.step()
+    while worker.has_work():
+        worker.step()
+    assert worker.integrity_checks == 2 and worker.integrity_errors == 1 and worker.stats()["integrity_errors"] == 1
+    worker.submit(_request(tiny_model, "k", 100, 3))  # it still serves
+    while worker.has_work():
+        worker.step()
+    assert worker.integrity_errors == 2
+    with pytest.raises(IntegrityError):  # asked for, the check still raises (and counts)
+        worker.check_integrity()
+    assert worker.integrity_errors == 3
 
 
 def _top_free_group_by_scan(pages: PageAllocator) -> int | None:

@@ -2,7 +2,7 @@
 
 The arithmetic lives in `cachetier.planner`; this module reads the flags, resolves the model (a preset
 name or a model directory's config.json) and the GPU (a preset name or a byte count), and prints.
-Also runnable on its own: `python -m cluster.plan_cmd --model v4-flash --gpu h200 --context 1M`.
+Also runnable on its own: `python -m hisparse.plan_cmd --model v4-flash --gpu h200 --context 1M`.
 `--layout dp8+ep8` plans replicas split that way (per-rank weights, KV and host figures); several layouts
 separated by commas print one comparison row each.
 """

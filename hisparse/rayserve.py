@@ -14,8 +14,8 @@ def app_builder(args: dict[str, Any]):
     from ray import serve
 
     from api.app import build_app
-    from cluster.cli import build_parser, serve_config
     from cluster.service import Service
+    from hisparse.cli import build_parser, serve_config
 
     argv = [str(a) for a in args.get("argv", [])]
     cfg = serve_config(build_parser().parse_args(["serve", *argv]))

@@ -1,0 +1,106 @@
+"""Where a frontend puts a request: the admission check, the decode reservation and its queue, the prefill choice.
+
+- `check_admissible`: a request no decode actor could hold even when empty is refused (400) before any work;
+  the gateway's early refusal and the attempt loop call this one function.
+- `reserve`: the decode actor with the most free pages (by its latest report) that may fit the request at its
+  final length — room in pages and under its request cap — reserves its pages; with no room anywhere the
+  request waits in one bounded queue until a report shows room, and past `queue_timeout_s` fails with 503
+  before any token exists.
+- `pick_prefill`: the prefill actor holding the longest cached prefix of the prompt (within the affinity load
+  cap), else the least loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from cluster.affinity import PrefixAffinity
+from cluster.membership import Member, Membership, _await
+from cluster.protocol import ACTOR_GONE
+from core.request import Attempt, Request
+from core.roles import POLL_INTERVAL_S, DeadlineConfig
+from core.types import CapacityError, NeverFitsError, WorkerUnavailable
+
+
+class Placement:
+    def __init__(self, members: Membership, deadlines: DeadlineConfig, room: asyncio.Event,
+                 affinity: PrefixAffinity | None) -> None:
+        self.members, self.deadlines, self.room, self.affinity = members, deadlines, room, affinity
+        self.waiting = 0
+        """Requests of this frontend waiting for decode capacity."""
+
+    def check_admissible(self, req: Request) -> None:
+        """Refuse (400) a request no decode actor could hold even when empty."""
+        decode = self.members.decode
+        reserve = req.reserve_tokens
+        if req.sampling.max_tokens and decode and all(m.info.capacity.never_fits(reserve) for m in decode):
+            cap = decode[0].info.capacity
+            raise NeverFitsError(
+                f"prompt + max_tokens = {reserve} tokens need {cap.pages_for(reserve)} KV pages, more than a decode "
+                f"worker holds ({cap.num_pages} pages of {cap.block_tokens} tokens); lower max_tokens or shorten the "
+                "prompt", param="max_tokens")
+
+    @staticmethod
+    def might_fit(m: Member, pages: int) -> bool:
+        """Whether `m`'s latest report leaves room for `pages` more pages and one more request."""
+        r = m.report
+        return r is None or (r.pages_free >= pages and r.running + r.reserved + r.waiting < m.info.capacity.max_running)
+
+    async def reserve(self, attempt: Attempt, exclude: set[str]) -> Member:
+        """Reserve the attempt's pages on a decode actor, waiting in the bounded queue for room (503 past the deadline)."""
+        if self.waiting >= self.deadlines.max_queued_requests:
+            raise CapacityError(f"{self.waiting} requests already wait for decode capacity; retry shortly",
+                                retry_after_s=min(self.deadlines.queue_timeout_s, 5.0))
+        tokens = attempt.reserve_tokens
+        deadline = time.monotonic() + self.deadlines.queue_timeout_s
+        self.waiting += 1
+        try:
+            while True:
+                usable = [m for m in self.members.decode if m.usable]
+                live = [m for m in usable if m.name not in exclude] or usable
+                self.room.clear()
+                fits = [m for m in live if self.might_fit(m, m.info.capacity.pages_for(tokens))]
+                for m in sorted(fits, key=lambda m: m.pending_pages - (m.report.pages_free if m.report else 0)):
+                    pages = m.info.capacity.pages_for(tokens)
+                    m.pending_pages += pages
+                    try:
+                        ok, m.report = await _await(m.handle.reserve.remote(self.members.owner, attempt.key, tokens))
+                    except ACTOR_GONE:
+                        self.members.lose(m, f"decode actor {m.name} died", dead=True)
+                        continue
+                    finally:
+                        m.pending_pages -= pages
+                    if ok:
+                        m.keys.add(attempt.key)
+                        return m
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if not live:  # dead or stuck, and none came back in time (Ray restarts dead ones)
+                        raise WorkerUnavailable(f"no decode actor is alive (none came back within "
+                                                f"{self.deadlines.queue_timeout_s:.0f} s, --queue-timeout-s); retry later")
+                    raise CapacityError(f"no decode actor had room within {self.deadlines.queue_timeout_s:.0f} s "
+                                        "(--queue-timeout-s); retry shortly", retry_after_s=2.0)
+                try:
+                    await asyncio.wait_for(self.room.wait(), min(left, POLL_INTERVAL_S))
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self.waiting -= 1
+
+    async def pick_prefill(self, attempt: Attempt) -> Member:
+        """The usable prefill actor holding the longest prefix of what the attempt prefills (within the load cap),
+        else the least loaded; waits (up to the queue deadline) while all are restarting."""
+        deadline = time.monotonic() + self.deadlines.queue_timeout_s
+        while True:
+            live = [m for m in self.members.prefill if m.usable]
+            if live:
+                loads = {m.name: sum(m.load.values()) + (m.stats.queued_tokens if m.stats else 0) for m in live}
+                if self.affinity is not None:
+                    name = self.affinity.pick(loads, list(attempt.prompt_token_ids) + list(attempt.generated[:-1]))
+                    return next(m for m in live if m.name == name)
+                return min(live, key=lambda m: loads[m.name])
+            if time.monotonic() >= deadline:
+                raise WorkerUnavailable(f"no prefill actor is alive (none came back within "
+                                        f"{self.deadlines.queue_timeout_s:.0f} s, --queue-timeout-s); retry later")
+            await asyncio.sleep(0.2)

@@ -1,0 +1,5 @@
+import sys
+
+from hisparse.cli import main
+
+sys.exit(main())
