@@ -1,4 +1,5 @@
-"""Hot-buffer resolve: the reference's policy pinned by hand, and the Triton kernel equal to it step by step.
+"""Hot-buffer resolve: the reference's policy pinned by hand, and the Triton kernel equal to it step by step,
+on hand-edited scenarios and on drifting selections at chosen shapes (V4's k 512 / 1,024 slots / 584-byte rows included).
 
 Run as a script (`python test_resolve_kernel.py out.pt`, under `TRITON_INTERPRET=1`), this file plays
 every scenario through `resolve_triton` and saves the snapshots; see `conftest.py` for why.
@@ -464,6 +465,252 @@ def test_compiled_triton_matches_reference_on_cuda(name):
     _assert_same(name, replay(BY_NAME[name], resolve_ref), replay(BY_NAME[name], resolve_triton, device="cuda"))
 
 
+# ---------------------------------------------------------------------------------------------
+# Drifting selections at chosen shapes: each step selects k ids of a window that moves on, so hits,
+# misses and evictions mix as in decoding; some cases are cut to reach one corner of the policy.
+
+
+@dataclass(frozen=True)
+class Drift:
+    name: str
+    batch: int
+    k: int
+    lru: int
+    reserved: int
+    dim: int
+    steps: int
+    dtype: torch.dtype = torch.float32
+    """The host pool's dtype; the hot buffer's is `kv_dtype` (the same unless given)."""
+    kv_dtype: torch.dtype | None = None
+    shift: int | None = None
+    """How far the window moves each step (k // 4 unless given)."""
+    window: int | None = None
+    """Selections are drawn from this many consecutive entries (2k unless given)."""
+    pad: float = 0.05
+    dup: float = 0.02
+    seed: int = 0
+
+    @property
+    def entries(self) -> int:
+        return (self.steps - 1) * self.move + self.span
+
+    @property
+    def move(self) -> int:
+        return self.k // 4 if self.shift is None else self.shift
+
+    @property
+    def span(self) -> int:
+        return 2 * self.k if self.window is None else self.window
+
+
+DRIFTS = (
+    # every step after the first selects the same k ids again (shuffled): hits only
+    Drift("all_hits", batch=3, k=16, lru=32, reserved=4, dim=5, steps=4, shift=0, window=16, pad=0, dup=0, seed=21),
+    # k fresh ids per row each step: cold misses (no evictions) until the buffer is full, then k evictions
+    Drift("cold_admission", batch=4, k=16, lru=32, reserved=2, dim=6, steps=4, shift=16, window=16, pad=0, dup=0, seed=22),
+    # fewer LRU slots than distinct misses: the ones past the free slots get -1
+    Drift("misses_beyond_free", batch=3, k=16, lru=10, reserved=2, dim=4, steps=5, shift=6, window=20, pad=0.1, dup=0.1, seed=23),
+    Drift("k_not_a_power_of_two", batch=3, k=13, lru=27, reserved=5, dim=3, steps=8, pad=0.1, dup=0.15, seed=24),
+    Drift("batch_of_one", batch=1, k=8, lru=16, reserved=2, dim=4, steps=8, seed=25),
+    Drift("batch_of_64", batch=64, k=8, lru=8, reserved=2, dim=4, steps=3, dup=0.1, seed=26),
+    # V4's top-k and hot buffer with its packed 584-byte rows (moved as 8-byte words), batch cut to 2 for the interpreter
+    Drift("v4_rows", batch=2, k=512, lru=1024, reserved=8, dim=584, steps=4, dtype=torch.uint8, seed=27),
+    # bf16 rows at V4's width (1,024 bytes), bf16 in both places
+    Drift("bf16_rows", batch=2, k=64, lru=128, reserved=4, dim=512, steps=4, dtype=torch.bfloat16, seed=28),
+    # rows whose bytes allow only 2-byte words, or only bytes
+    Drift("six_byte_rows", batch=2, k=8, lru=12, reserved=2, dim=6, steps=5, dtype=torch.uint8, dup=0.15, seed=29),
+    Drift("seven_byte_rows", batch=2, k=8, lru=12, reserved=2, dim=7, steps=5, dtype=torch.uint8, dup=0.15, seed=30),
+)
+DRIFT_BY_NAME = {d.name: d for d in DRIFTS}
+GPU_DRIFTS = (
+    Drift("v4_rows_batch_64", batch=64, k=512, lru=1024, reserved=8, dim=584, steps=8, dtype=torch.uint8, seed=31),
+    Drift("bf16_rows_batch_64", batch=64, k=512, lru=1024, reserved=8, dim=512, steps=8, dtype=torch.bfloat16, seed=32),
+)
+DRIFT_FIELDS = ("slots", "entry_map", "hot_kv", "hot_entry_row", "hot_stamp", "counters")
+
+
+def drift_selections(d: Drift) -> list[torch.Tensor]:
+    """The ids of every step, [batch, k] each: k distinct ids of the step's window, some padded, some repeated."""
+    gen = torch.Generator().manual_seed(d.seed)
+    out = []
+    for step in range(d.steps):
+        ids = torch.rand(d.batch, d.span, generator=gen).argsort(dim=1)[:, : d.k] + step * d.move  # [batch, k]
+        repeat = torch.rand(d.batch, d.k, generator=gen) < d.dup
+        ids = torch.where(repeat, ids.gather(1, torch.randint(0, d.k, (d.batch, d.k), generator=gen)), ids)
+        out.append(torch.where(torch.rand(d.batch, d.k, generator=gen) < d.pad, -1, ids))
+    return out
+
+
+def drift_state(d: Drift, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Hot buffers for books 0..batch+2 (rows use a shuffled subset) plus the scratch book; scratch map element last."""
+    gen = torch.Generator().manual_seed(d.seed + 1000)
+    books = d.batch + 3
+    slots = d.lru + d.reserved
+    host = torch.randn(d.batch * d.entries, d.dim, generator=gen).to(d.dtype) if d.dtype.is_floating_point else \
+        torch.randint(0, 256, (d.batch * d.entries, d.dim), generator=gen, dtype=d.dtype)  # [host_rows, dim]
+    return {
+        "books": torch.randperm(books, generator=gen)[: d.batch],
+        # request r's entry e: map row r * entries + p_r(e), host row (batch - 1 - r) * entries + q_r(e)
+        "map_of": torch.stack([r * d.entries + torch.randperm(d.entries, generator=gen) for r in range(d.batch)]),
+        "host_of": torch.stack([(d.batch - 1 - r) * d.entries + torch.randperm(d.entries, generator=gen) for r in range(d.batch)]),
+        "host_pool": host,
+        "entry_map": torch.full((d.batch * d.entries + 1,), -1, dtype=torch.int32, device=device),
+        "hot_kv": torch.zeros((books + 1) * slots * d.dim, dtype=d.kv_dtype or d.dtype, device=device),
+        "hot_entry_row": torch.full((books + 1, slots), -1, dtype=torch.int64, device=device),
+        "hot_stamp": torch.full((books + 1, d.lru), -1, dtype=torch.int64, device=device),
+        "counters": torch.zeros(3, dtype=torch.int64, device=device),
+    }
+
+
+def drift_snapshot(d: Drift, st: dict[str, torch.Tensor], slots: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The outputs and state (on the CPU) minus the scratch locations, where only the reference's idle lanes write."""
+    scratch_kv = (d.batch + 3) * (d.lru + d.reserved) * d.dim
+    return {
+        "slots": slots.cpu().clone(),
+        "entry_map": st["entry_map"][:-1].cpu().clone(),
+        "hot_kv": st["hot_kv"][:scratch_kv].cpu().clone(),
+        "hot_entry_row": st["hot_entry_row"][:-1].cpu().clone(),
+        "hot_stamp": st["hot_stamp"][:-1].cpu().clone(),
+        "counters": st["counters"].cpu().clone(),
+    }
+
+
+def drift_args(d: Drift, st: dict[str, torch.Tensor], ids: torch.Tensor, device: str) -> tuple[torch.Tensor, ...]:
+    """The id-side arguments of one step: ids, map rows, host rows, books, hot rows."""
+    valid = ids >= 0
+    safe = ids.clamp(min=0)
+    map_rows = torch.where(valid, st["map_of"].gather(1, safe), -1)
+    host_rows = torch.where(valid, st["host_of"].gather(1, safe), -1)
+    books = st["books"]
+    return tuple(t.to(device) for t in (ids, map_rows, host_rows, books, books * (d.lru + d.reserved)))
+
+
+def replay_drift(d: Drift, resolve_fn, device: str = "cpu", host_pool: torch.Tensor | None = None) -> list[dict[str, torch.Tensor]]:
+    """Play the drift through `resolve_fn`, reading misses from `host_pool` (the state's own pool unless given)."""
+    st = drift_state(d, device)
+    pool = st["host_pool"] if host_pool is None else host_pool
+    snaps = []
+    for step, ids in enumerate(drift_selections(d), start=1):
+        slots = resolve_fn(*drift_args(d, st, ids, device), st["entry_map"], st["hot_kv"], st["hot_entry_row"], st["hot_stamp"],
+                           pool, torch.tensor(step, device=device), st["counters"])
+        snaps.append(drift_snapshot(d, st, slots))
+    return snaps
+
+
+def _assert_same_drift(name, expected, actual):
+    assert len(expected) == len(actual), name
+    for i, (want, got) in enumerate(zip(expected, actual)):
+        for field in DRIFT_FIELDS:
+            assert torch.equal(want[field], got[field]), f"{name}: step {i + 1}: {field} differs"
+
+
+def test_drift_cases_cover_what_they_claim():
+    """Checked on the reference, so a change to the generator cannot quietly drop the corner a case is for."""
+    for d in DRIFTS:
+        snaps = replay_drift(d, resolve_ref)
+        deltas = [b["counters"] - a["counters"] for a, b in zip([{"counters": torch.zeros(3, dtype=torch.int64)}] + snaps, snaps)]
+        valid = [int((ids >= 0).sum()) for ids in drift_selections(d)]
+        if d.name == "all_hits":
+            assert all(dl[MISSES] == 0 and dl[HITS] == d.batch * d.k for dl in deltas[1:]), d.name
+        elif d.name == "cold_admission":
+            full = d.lru // d.k  # steps whose misses all find never-used slots
+            assert all(dl[MISSES] == d.batch * d.k for dl in deltas), d.name
+            assert all(dl[EVICTIONS] == 0 for dl in deltas[:full]) and all(dl[EVICTIONS] == d.batch * d.k for dl in deltas[full:])
+        else:
+            assert snaps[-1]["counters"][EVICTIONS] > 0, f"{d.name} never evicts"
+            assert any(dl[HITS] > 0 for dl in deltas), f"{d.name} never hits"
+        if d.name == "misses_beyond_free":
+            assert any(((ids >= 0) & (s["slots"] < 0)).any() for ids, s in zip(drift_selections(d), snaps)), d.name
+        else:
+            assert all((s["slots"] >= 0).sum() == n for s, n in zip(snaps, valid)), f"{d.name}: a valid id got no slot"
+        if d.dup > 0:  # a repeated miss is counted once, so some step has fewer hits + misses than valid lanes
+            assert any(dl[HITS] + dl[MISSES] < n for dl, n in zip(deltas, valid)), f"{d.name} never repeats a missing id"
+
+
+@pytest.mark.parametrize("name", list(DRIFT_BY_NAME))
+def test_triton_matches_reference_on_drifting_selections(triton_runs, name):
+    _assert_same_drift(name, replay_drift(DRIFT_BY_NAME[name], resolve_ref), triton_runs["drift"][name])
+
+
+def copy_word_cases() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(hot buffer, host pool) pairs whose rows move as different words."""
+    v4 = torch.zeros(4, 584, dtype=torch.uint8)
+    return {
+        "v4_584_bytes": (torch.zeros(584 * 4, dtype=torch.uint8), v4),
+        "bf16_512": (torch.zeros(512 * 4, dtype=torch.bfloat16), torch.zeros(4, 512, dtype=torch.bfloat16)),
+        "fp32_3": (torch.zeros(12), torch.zeros(4, 3)),
+        "uint8_6": (torch.zeros(24, dtype=torch.uint8), torch.zeros(4, 6, dtype=torch.uint8)),
+        "uint8_7": (torch.zeros(28, dtype=torch.uint8), torch.zeros(4, 7, dtype=torch.uint8)),
+        "bf16_into_fp32": (torch.zeros(512 * 4), torch.zeros(4, 512, dtype=torch.bfloat16)),
+        "pool_off_by_a_byte": (torch.zeros(584 * 4, dtype=torch.uint8), torch.zeros(4 * 584 + 1, dtype=torch.uint8)[1:].view(4, 584)),
+        "strided_columns": (torch.zeros(8 * 4, dtype=torch.uint8), torch.zeros(4, 16, dtype=torch.uint8)[:, ::2]),
+    }
+
+
+COPY_WORDS = {"v4_584_bytes": 8, "bf16_512": 8, "fp32_3": 4, "uint8_6": 2, "uint8_7": 1, "bf16_into_fp32": None,
+              "pool_off_by_a_byte": 1, "strided_columns": 1}
+
+
+def test_rows_move_in_the_widest_word_their_bytes_allow(triton_runs):
+    assert triton_runs["copy_word"] == COPY_WORDS
+
+
+def _registered_view(d: Drift, host: torch.Tensor):
+    """The case's host rows in a registered `HostPool`, and the pool's device view of them (what a decode step reads)."""
+    from cachetier.host_pool import HostPool
+
+    pool = HostPool(1, -(-host.shape[0] // 64), 64, d.dim, d.dtype, pin=True)
+    pool.kv[0, : host.shape[0]].copy_(host)
+    return pool, pool.on("cuda")[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", [d.name for d in GPU_DRIFTS])
+def test_compiled_triton_matches_reference_at_v4_shapes_on_cuda(name):
+    """k 512, 1,024 LRU slots, batch 64, misses read through a registered pool's device view."""
+    from kernels.resolve_triton import resolve_triton
+
+    d = next(g for g in GPU_DRIFTS if g.name == name)
+    pool, view = _registered_view(d, drift_state(d)["host_pool"])
+    try:
+        _assert_same_drift(name, replay_drift(d, resolve_ref), replay_drift(d, resolve_triton, "cuda", host_pool=view))
+    finally:
+        pool.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_resolve_replays_like_the_reference():
+    """One CUDA graph captured at step 1 and replayed for every step (new ids and step copied into its inputs)."""
+    from kernels.resolve_triton import resolve_triton
+
+    d = GPU_DRIFTS[0]
+    st = drift_state(d, "cuda")
+    pool, view = _registered_view(d, st["host_pool"])
+    selections = drift_selections(d)
+    try:
+        inputs = [t.clone() for t in drift_args(d, st, selections[0], "cuda")]
+        step = torch.ones((), dtype=torch.int64, device="cuda")
+        state = (st["entry_map"], st["hot_kv"], st["hot_entry_row"], st["hot_stamp"])
+        warm = [t.clone() for t in (*state, st["counters"])]  # compile outside the capture, on a throwaway copy
+        resolve_triton(*inputs, *warm[:4], view, step, warm[4])
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            slots = resolve_triton(*inputs, *state, view, step, st["counters"])
+        got = []
+        for n, ids in enumerate(selections, start=1):
+            for dst, src in zip(inputs, drift_args(d, st, ids, "cuda")):
+                dst.copy_(src)
+            step.fill_(n)
+            graph.replay()
+            got.append(drift_snapshot(d, st, slots))
+    finally:
+        pool.close()
+    _assert_same_drift(d.name, replay_drift(d, resolve_ref), got)
+
+
 def _main(out: str) -> None:
     from conftest import kernel_or_exit
 
@@ -471,6 +718,10 @@ def _main(out: str) -> None:
     results = {sc.name: replay(sc, resolve_triton) for sc in SCENARIOS}
     results["overflow"] = overflow_case(resolve_triton)
     results.update({name: case(resolve_triton) for name, case in STALE_CASES.items()})
+    results["drift"] = {d.name: replay_drift(d, resolve_triton) for d in DRIFTS}
+    from kernels.resolve_triton import copy_word
+
+    results["copy_word"] = {name: copy_word(*pair) for name, pair in copy_word_cases().items()}
     torch.save(results, out)
 
 
