@@ -147,10 +147,10 @@ def unpack_fp4_keys(b: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tens
     pairs = torch.stack((table[byte & 15], table[byte >> 4]), dim=-1)  # [256, 2]: even channel in the low nibble
     vals = pairs[b[..., :half].int()].flatten(-2)  # [..., dim]
     scale = ue8m0_value(b[..., half:])  # [..., blocks]
-    if dim % INDEX_SCALE_BLOCK == 0:
-        vals = (vals.unflatten(-1, (-1, INDEX_SCALE_BLOCK)) * scale[..., None]).flatten(-2)
+    if dim % INDEX_SCALE_BLOCK == 0:  # scaled in place: one [..., dim] buffer, not two
+        vals.unflatten(-1, (-1, INDEX_SCALE_BLOCK)).mul_(scale[..., None])
     else:
-        vals = vals * scale.repeat_interleave(INDEX_SCALE_BLOCK, dim=-1)[..., :dim]
+        vals.mul_(scale.repeat_interleave(INDEX_SCALE_BLOCK, dim=-1)[..., :dim])
     return vals.to(dtype)
 
 
@@ -188,7 +188,7 @@ class KVCodec:
 
     @property
     def elem_bytes(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize  # no tensor made: the step reads row widths through the codec
 
     @property
     def main_bytes(self) -> int:

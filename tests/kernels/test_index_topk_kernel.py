@@ -47,6 +47,7 @@ CASES = {
     "v4_exact": Case("v4", 4, 8, 64, 4, 16, 16, 3, True, splits=2),
     "v4_dense_bf16_exact": Case("v4-dense", 3, 8, 16, 3, 16, 16, 4, True, dtype=torch.bfloat16),
     "v4_exact_k128_split": Case("v4", 2, 16, 64, 8, 64, 128, 5, True, splits=3),
+    "v4_exact_many_chunks": Case("v4", 2, 8, 64, 8, 64, 16, 9, True),  # one program walks 8 chunks, most skipped
     "fp32_rounded_odd_shapes": Case("bf16", 3, 12, 24, 8, 8, 20, 6, False, splits=2),  # heads, dim, k not powers of two
     "bf16_rounded": Case("bf16", 3, 8, 32, 4, 16, 16, 7, False, dtype=torch.bfloat16),
     "v4_rounded": Case("v4", 3, 8, 128, 4, 16, 16, 8, False),  # V4's key width: 64 pairs + 4 scales
