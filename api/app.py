@@ -161,7 +161,7 @@ async def _prompts(g: Gateway, prompt, echo: bool) -> tuple[list[list[int]], lis
             raise bad_request("the prompt is empty", "prompt")
         if isinstance(it, str):
             ids.append(await g.encode(it))
-            texts.append(it)
+            texts.append(it if echo else "")
         else:
             g.check_prompt_length(len(it))  # before reading the ids: a list of millions is refused unread
             g.check_ids(it)

@@ -154,6 +154,20 @@ def test_echo_with_logprobs_scores_the_prompt_and_max_tokens_zero_scores_only():
     assert d.status_code == 400 and d.json()["error"]["param"] == "max_tokens"  # 0 only with echo
 
 
+def test_a_prompt_is_in_the_answer_only_when_echoed(tok):
+    async def go(client):
+        out = []
+        for prompt in ("hello there", tok.encode("hello there")):
+            for echo in (False, True):
+                r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "echo": echo})
+                out.append((echo, r.json()["choices"][0]["text"]))
+        return out
+
+    made = tok.decode([40, 41])
+    for echo, text in asyncio.run(_with_app(ScriptedFrontend([40, 41]), go)):
+        assert text == (tok.decode(tok.encode("hello there")) + made if echo else made)
+
+
 def test_admission_is_decided_before_a_stream_starts():
     hold = asyncio.Event()
     fe = ScriptedFrontend(list(range(50, 60)), hold=hold)
