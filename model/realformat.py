@@ -29,7 +29,7 @@ from core.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig, YarnScali
 from model.builtin import random_init
 from model.loader import build_empty, deepseek_state
 from model.model import V4Model
-from model.packed import pack_like_checkpoint
+from model.packed import FP4_EXPERTS, FP8, FP4Experts, FP8Linear, pack_like_checkpoint
 
 SEED = 20261215
 
@@ -144,22 +144,43 @@ def _random_codes(cfg: ModelConfig, seed: int) -> V4Model:
         model = V4Model(cfg)
     pack_like_checkpoint(model)  # on meta: only the modules' types and shapes change
     model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(seed)
+    return _fill_random_codes(model, seed)
+
+
+def _fill_random_codes(model: V4Model, seed: int) -> V4Model:
+    """Every tensor of a packed model drawn in place, on the device it lives on (so a GPU model of V4's size never
+    crosses from the host): codes and scales valid for their formats, dense weights small."""
+    tensors = model.state_dict()
+    dev = next(iter(tensors.values())).device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    n_experts = model.cfg.n_routed_experts
     with torch.no_grad():
-        for name, t in model.state_dict().items():
+        for name, t in tensors.items():
             if t.dtype == torch.float8_e4m3fn:
-                t.copy_(torch.randn(t.shape, generator=gen))
+                t.copy_(torch.randn(t.shape, generator=gen, device=dev))
             elif t.dtype == torch.int8:  # e2m1 pairs: every byte is two valid codes
-                t.copy_(torch.randint(-128, 128, t.shape, generator=gen, dtype=torch.int8))
+                t.copy_(torch.randint(-128, 128, t.shape, generator=gen, dtype=torch.int8, device=dev))
             elif t.dtype == torch.uint8:  # expert scales as UE8M0 bytes, 2**-8 .. 2**-4
-                t.copy_(torch.randint(119, 124, t.shape, generator=gen, dtype=torch.uint8))
+                t.copy_(torch.randint(119, 124, t.shape, generator=gen, dtype=torch.uint8, device=dev))
             elif name.endswith(".scale"):  # FP8 tile scales, powers of two
-                t.copy_(torch.exp2(torch.randint(-8, -3, t.shape, generator=gen).float()))
+                t.copy_(torch.exp2(torch.randint(-8, -3, t.shape, generator=gen, device=dev).float()))
             elif name.endswith("tid2eid"):
-                t.copy_(torch.randint(0, cfg.n_routed_experts, t.shape, generator=gen))
+                t.copy_(torch.randint(0, n_experts, t.shape, generator=gen, device=dev))
             else:
-                t.copy_(torch.randn(t.shape, generator=gen) * 0.02)
+                t.copy_(torch.randn(t.shape, generator=gen, device=dev) * 0.02)
     return model
+
+
+def random_packed_model(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device=None, seed: int = SEED) -> V4Model:
+    """A ready model of `cfg` packed like the checkpoints (FP8 linears, FP4 experts), computing in `dtype` on
+    `device`, its codes drawn at random there (`_fill_random_codes`): benchmarks at V4's layer sizes without
+    writing, loading or quantizing a checkpoint."""
+    with torch.device("meta"):
+        probe = V4Model(cfg)
+    pack_like_checkpoint(probe)  # which modules the checkpoints pack, decided by the one rule that packs them
+    kinds = {path: FP8 if isinstance(m, FP8Linear) else FP4_EXPERTS
+             for path, m in probe.named_modules() if isinstance(m, (FP8Linear, FP4Experts))}
+    return _fill_random_codes(build_empty(cfg, dtype, device, packed=kinds), seed)
 
 
 def write_realformat_checkpoint(
