@@ -22,6 +22,7 @@ import random
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from core.structure import Structure
 from core.types import InvalidRequestError, SamplingParams
 
 
@@ -69,6 +70,8 @@ class Request:
     seed: int | None = None
     prompt_len: int = -1
     """Tokens of the prompt (set from it; kept when the prompt itself is left out, see `Attempt.stripped`)."""
+    structure: Structure | None = None
+    """What the output must match, for constrained decoding (`core.structure`); None: free text."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt_token_ids, tuple):
