@@ -6,15 +6,18 @@ A replica (`core.parallel.ParallelLayout`) runs one process per device. Per forw
   the counts already to decide who idles passes them on through `sync_rows`, and no second gather runs).
   A fixed-shape step gathers nothing: its ranks agreed on the host, before it, that each runs the same
   bucket of rows (`fix_rows`), so every exchange is that many rows from every rank. Nothing of the step
-  then needs the host, and it can be captured in a CUDA graph (the NCCL collectives are capturable);
+  then needs the host, and on CUDA the whole step, exchanges included, is one CUDA graph (NCCL
+  collectives are capturable; `decode.runner` captures the same buckets in the same order on every rank);
 - per attention layer with attention-TP: one all_reduce (sum) of the output projection over its TP group;
 - per MoE layer with expert parallelism: one all_gather of (rows, expert ids, routing weights), padded to
   the largest rank's rows, the local experts on all gathered rows, and one reduce_scatter (sum) that hands
   every rank the routed output of its own rows. Routing happens before the exchange (on the rank's own
   tokens), so hash-routed layers need no token ids from other ranks.
 
-Every rank enters every collective in the same order: a rank with no rows runs `V4Model.idle_forward`.
-Counters of calls and bytes per kind make the cost per step visible (`stats`).
+Every rank enters every collective in the same order: a rank with no rows runs `V4Model.idle_forward`
+(or, in a fixed-shape step, the bucket's forward over padding rows only).
+Counters of calls and bytes per kind make the cost per step visible (`stats`; a replayed graph adds what
+its capture recorded, since a replay runs no Python).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import datetime
 import re
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +65,24 @@ class CollectiveStats:
     def reset(self) -> None:
         self.calls.clear()
         self.bytes.clear()
+
+    def copy(self) -> CollectiveStats:
+        return CollectiveStats(dict(self.calls), dict(self.bytes))
+
+    def since(self, before: CollectiveStats) -> CollectiveStats:
+        """What was added after `before` (a copy taken earlier)."""
+        return CollectiveStats({k: v - before.calls.get(k, 0) for k, v in self.calls.items() if v != before.calls.get(k, 0)},
+                               {k: v - before.bytes.get(k, 0) for k, v in self.bytes.items() if v != before.bytes.get(k, 0)})
+
+    def restore(self, before: CollectiveStats) -> None:
+        """Back to `before`: what a graph capture recorded was not sent (the replays send it)."""
+        self.calls, self.bytes = dict(before.calls), dict(before.bytes)
+
+    def merge(self, other: CollectiveStats) -> None:
+        for k, v in other.calls.items():
+            self.calls[k] = self.calls.get(k, 0) + v
+        for k, v in other.bytes.items():
+            self.bytes[k] = self.bytes.get(k, 0) + v
 
     def to_dict(self) -> dict:
         return {"calls": dict(self.calls), "bytes": dict(self.bytes)}
@@ -117,11 +139,15 @@ class Comm:
 
     def gather(self, value: int) -> list[int]:
         """Every rank's `value` (one gloo all_gather of one integer)."""
-        mine = torch.tensor([value], dtype=torch.long)
-        out = torch.empty(self.layout.world, dtype=torch.long)
+        return [row[0] for row in self.gather_ints([value])]
+
+    def gather_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's `values`, one list per rank (one gloo all_gather; every rank sends as many)."""
+        mine = torch.tensor(list(values), dtype=torch.long)
+        out = torch.empty(self.layout.world * mine.numel(), dtype=torch.long)
         _all_gather(out, mine, group=self.meta_group)
         self.stats.add(META, mine)
-        return out.tolist()
+        return out.view(self.layout.world, -1).tolist()
 
     def tp_broadcast(self, obj=None):
         """The TP group leader's `obj` on every rank of the group (pickled, over gloo): how a leader hands its
