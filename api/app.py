@@ -1,5 +1,6 @@
-"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize,
-/detokenize, /health, /metrics. Request handling lives in `api.gateway`; this module wires routes.
+"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models (and /v1/models/{id}),
+/tokenize, /detokenize, /tokenizer_info, /version, /health, /metrics. Request handling lives in `api.gateway`
+(chat preparation in `api.chat`, output constraints in `api.structure`); this module wires routes.
 
 Admission is decided before a response starts: a request over the in-flight limit gets 429, never a
 stream that fails later. A client that disconnects — streaming or not — aborts its request on every
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import importlib.metadata
 import logging
 import os
 import time
@@ -21,8 +24,9 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from api import errors
-from api.errors import bad_request
+from api import errors, structure
+from api.chat import check_openai_fields, render_chat, request_tools, tool_plan
+from api.errors import ApiError, bad_request
 from api.gateway import (
     DONE,
     ChatFormat,
@@ -30,7 +34,9 @@ from api.gateway import (
     CompletionFormat,
     Gateway,
     Job,
+    ReplySpec,
     RequestClock,
+    named,
     sse,
     usage,
 )
@@ -38,9 +44,14 @@ from api.metrics import Metrics
 from api.middleware import GatewayMiddleware, redact_access_log
 from api.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from api.text import Piece
+from core.request import check_prompt
 from core.roles import ServerConfig
 
 log = logging.getLogger(__name__)
+try:
+    VERSION = importlib.metadata.version("hisparse-serve")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    VERSION = "0+unknown"
 
 
 class HeldStreamingResponse(StreamingResponse):
@@ -64,7 +75,7 @@ async def _until_disconnect(request: Request) -> None:
             return
 
 
-async def respond(g: Gateway, request: Request, jobs: list[Job], stops: list[str], prompt_tokens: int, body, fmt):
+async def respond(g: Gateway, request: Request, jobs: list[Job], prompt_tokens: int, body, fmt):
     """Run the choices and answer in one JSON body or as an SSE stream, in the endpoint's format."""
     stream = body.stream
     include_usage = bool(stream and body.stream_options and body.stream_options.include_usage)
@@ -74,7 +85,7 @@ async def respond(g: Gateway, request: Request, jobs: list[Job], stops: list[str
     created, cid, clock = int(time.time()), f"{fmt.id_prefix}-{rid}", RequestClock()
     if not stream:
         try:
-            work = asyncio.ensure_future(asyncio.gather(*(g.collect(j, stops, clock) for j in jobs)))
+            work = asyncio.ensure_future(asyncio.gather(*(g.collect(j, clock) for j in jobs)))
             gone = asyncio.ensure_future(_until_disconnect(request))
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not work.done():  # the client left: stop every choice (each aborts its request on the actors)
@@ -97,7 +108,7 @@ async def respond(g: Gateway, request: Request, jobs: list[Job], stops: list[str
     async def events():
         head = {"id": cid, "object": fmt.chunk_object, "created": created, "model": g.model_name}
         chunk = ChunkEncoder(head)
-        reasons, completion_tokens, offsets = {}, 0, {j.index: len(j.echo) for j in jobs}
+        reasons, completion_tokens = {}, 0
         interval = max(1, g.cfg.stream_interval)
         held: dict[int, tuple[str, list]] = {}  # choice -> (text, tokens) waiting for the stream interval
         opened, started = set(), set()
@@ -108,7 +119,7 @@ async def respond(g: Gateway, request: Request, jobs: list[Job], stops: list[str
                     opening = fmt.opening(j)
                     if opening is not None:
                         yield chunk(opening)
-            async for item in g.merged(jobs, stops, clock):
+            async for item in g.merged(jobs, clock):
                 if isinstance(item, Exception):
                     raise item
                 j, piece, reason = item
@@ -125,9 +136,9 @@ async def respond(g: Gateway, request: Request, jobs: list[Job], stops: list[str
                     held[j.index] = (text, toks)  # the first and the last chunk never wait
                     continue
                 started.add(j.index)
-                yield chunk(fmt.chunk(j, Piece(text, toks), reason, offsets[j.index]),
-                            usage(prompt_tokens, completion_tokens) if running_usage else None)
-                offsets[j.index] += len(text)
+                choice = fmt.chunk(j, Piece(text, toks), reason)
+                if choice is not None:  # None: nothing the client can use yet (held back by the reply's reader)
+                    yield chunk(choice, usage(prompt_tokens, completion_tokens) if running_usage else None)
         except Exception as e:
             yield sse(g.failed(e).body())
             yield DONE
@@ -145,7 +156,7 @@ def echo_waits_for_scores(fmt, job: Job) -> bool:
     return bool(job.echo) and isinstance(fmt, CompletionFormat) and fmt.logprobs and job.sampling.prompt_logprobs is not None
 
 
-async def _prompts(g: Gateway, prompt, echo: bool) -> tuple[list[list[int]], list[str]]:
+async def _prompts(g: Gateway, prompt, echo: bool, add_special_tokens: bool = True) -> tuple[list[list[int]], list[str]]:
     """The prompt field in all its forms -> token-id lists and, when echoed, their texts ("" otherwise)."""
     if isinstance(prompt, str):
         items = [prompt]
@@ -160,11 +171,12 @@ async def _prompts(g: Gateway, prompt, echo: bool) -> tuple[list[list[int]], lis
         if not it:
             raise bad_request("the prompt is empty", "prompt")
         if isinstance(it, str):
-            ids.append(await g.encode(it))
+            ids.append(await g.encode(it, "prompt", add_special_tokens))
+            g.check_prompt_length(len(ids[-1]))
             texts.append(it if echo else "")
         else:
             g.check_prompt_length(len(it))  # before reading the ids: a list of millions is refused unread
-            g.check_ids(it)
+            check_prompt(it, g.model_cfg.vocab_size)
             ids.append(it)
             texts.append(await g.text.decode(it) if echo and g.tok is not None else "")
     return ids, texts
@@ -212,46 +224,84 @@ def build_app(service, cfg: ServerConfig | None = None, manage_service: bool = T
     async def metrics(request: Request):
         return PlainTextResponse(gw(request).metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def model_card(g: Gateway) -> dict:
+        return {"id": g.model_name, "object": "model", "created": 0, "owned_by": "hisparse",
+                "max_model_len": g.model_cfg.max_position_embeddings}
+
     @app.get("/v1/models")
     async def models(request: Request):
+        return {"object": "list", "data": [model_card(gw(request))]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
         g = gw(request)
-        return {"object": "list", "data": [{"id": g.model_name, "object": "model", "created": 0, "owned_by": "hisparse",
-                                            "max_model_len": g.model_cfg.max_position_embeddings}]}
+        if model_id != g.model_name:
+            raise ApiError(404, f"The model `{model_id}` does not exist; this server serves `{g.model_name}`",
+                           "invalid_request_error", "model", "model_not_found")
+        return model_card(g)
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        g = gw(request)
+        g.require_tokenizer(None)
+        return _json(g.tok.info())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         g = gw(request)
         g.check_model(body.model)
+        g.check_stream(body)
         if body.suffix:
             raise bad_request("suffix is not supported", "suffix")
-        if body.best_of is not None and body.best_of != body.n:
+        n = g.n(body)
+        if body.best_of is not None and body.best_of != n:
             raise bad_request("best_of other than n is not supported", "best_of")
-        prompts, texts = await _prompts(g, body.prompt, body.echo)
-        g.check_fanout(len(prompts), body.n)
+        constraint, asked_by = structure.requested(body)
+        g.check_structure(constraint, asked_by)
+        echo = bool(body.echo)
+        prompts, texts = await _prompts(g, body.prompt, echo, body.add_special_tokens)
+        g.check_fanout(len(prompts), n)
         stops = g.stops(body.stop)
-        samplings = [g.sampling(body, body.max_tokens, len(p), body.logprobs, echo=body.echo) for p in prompts]
-        jobs = g.jobs(prompts, samplings, body.n, texts)
+        samplings = [g.sampling(body, body.max_tokens, len(p), body.logprobs, echo=echo) for p in prompts]
+        jobs = g.jobs(prompts, samplings, n, texts, g.text_options(body, stops), constraint)
         prompt_tokens = sum(len(p) for p in prompts)
         fmt = CompletionFormat(g.tok, body.logprobs is not None)
-        return await respond(g, request, jobs, stops, prompt_tokens, body, fmt)
+        return await respond(g, request, jobs, prompt_tokens, body, fmt)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
         g = gw(request)
         g.check_model(body.model)
+        g.check_stream(body)
+        check_openai_fields(body)
         if g.tok is None:
             raise bad_request("this model has no tokenizer, so it cannot take chat messages; use /v1/completions with token ids")
-        ids = await _chat_ids(g, body.messages)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-        g.check_fanout(1, body.n)
+        if body.max_tokens is not None and body.max_completion_tokens is not None and body.max_tokens != body.max_completion_tokens:
+            raise bad_request("max_tokens and max_completion_tokens differ; send one", "max_tokens")
+        n = g.n(body)
+        g.check_fanout(1, n)
+        tools = tool_plan(body, g.tok.tool_call_format)
+        constraint, asked_by = structure.requested(body, tools.structure)
+        g.check_structure(constraint, asked_by)
+        prompt = await render_chat(g, body, tools.tools)
+        if constraint is not None and prompt.in_reasoning:
+            constraint = dataclasses.replace(constraint, after_reasoning=True)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        sp = g.sampling(body, max_tokens, len(ids), logprobs, prompt_param="messages")
+        names = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens" if body.max_completion_tokens is not None
+                 else "max_tokens", "prompt": "messages"}
+        sp = g.sampling(body, max_tokens, len(prompt.ids), logprobs, prompt_param="messages", names=names)
         stops = g.stops(body.stop)
-        jobs = g.jobs([ids], [sp], body.n, [""])
+        reply = ReplySpec(tools.callable, prompt.in_reasoning, tools.parallel, body.include_reasoning)
+        jobs = g.jobs([prompt.ids], [sp], n, [""], g.text_options(body, stops, chat=True), constraint, reply, "messages")
         fmt = ChatFormat(g.tok, logprobs is not None)
-        return await respond(g, request, jobs, stops, len(ids), body, fmt)
+        return await respond(g, request, jobs, len(prompt.ids), body, fmt)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
@@ -259,9 +309,9 @@ def build_app(service, cfg: ServerConfig | None = None, manage_service: bool = T
         g.check_model(body.model)
         g.require_tokenizer()
         if body.messages is not None:
-            ids = await _chat_ids(g, body.messages)
+            ids = (await render_chat(g, body, request_tools(body))).ids
         elif body.prompt is not None:
-            ids = await g.encode(body.prompt, "prompt", body.add_special_tokens)
+            ids = await g.encode(body.prompt, "prompt", True if body.add_special_tokens is None else body.add_special_tokens)
         else:
             raise bad_request("send `prompt` (text) or `messages` (chat)", "prompt")
         strs = await g.text.token_texts(ids) if body.return_token_strs else None
@@ -273,16 +323,9 @@ def build_app(service, cfg: ServerConfig | None = None, manage_service: bool = T
         g = gw(request)
         g.check_model(body.model)
         g.require_tokenizer("tokens")
-        g.check_ids(body.tokens, "tokens")
+        if body.tokens:
+            with named({"prompt": "tokens"}):
+                check_prompt(body.tokens, g.model_cfg.vocab_size)
         return _json({"prompt": await g.text.decode(body.tokens)})
 
     return app
-
-
-async def _chat_ids(g: Gateway, messages) -> list[int]:
-    msgs = [{"role": m.role, "content": m.text()} for m in messages]
-    try:
-        return await g.text.encode_chat(msgs, "messages")
-    except ValueError as e:  # the template failed on these messages (the tokenizer's error says how)
-        raise bad_request(str(e), "messages") from None
-

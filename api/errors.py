@@ -62,6 +62,10 @@ def install(app) -> None:
     async def _api(request: Request, exc: ApiError):
         return exc.response(rid(request))
 
+    @app.exception_handler(HisparseError)  # core's refusals (a prompt check, a sampling range) raised in a route
+    async def _ours(request: Request, exc: HisparseError):
+        return from_exception(exc).response(rid(request))
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         errs = exc.errors()

@@ -1,8 +1,13 @@
 """The gateway's request handling, apart from routes: validation, fan-out into choices, admission,
 running choices through the frontend, and assembling the answer as one body or an SSE stream.
 
+Sampling controls are read here into `SamplingParams`, which checks every range once; a control the sampler
+does not take is a 400 naming it, never ignored. Prompts are checked by the request's own rule
+(`core.request`), named as the route names them (`prompt`, `messages`).
+
 Text is made here (the decode side ships token ids only): each choice has its own incremental
-detokenizer (O(1) per token). Output arrives in batches — everything a choice produced since it was
+detokenizer (O(1) per token); a chat choice's text is then read into reasoning, content and tool calls
+(`api.reply`). Output arrives in batches — everything a choice produced since it was
 last looked at — and a stream sends one chunk per batch, so a client that lags gets merged chunks
 instead of a growing queue; with `stream_interval` > 1 a chunk waits for that many tokens (the first
 and the last chunk never wait).
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -23,15 +29,58 @@ from api import errors
 from api.errors import ApiError, bad_request
 from api.metrics import Metrics
 from api.prompts import OffLoopTokenizer
-from api.text import Piece, TextStream, chat_logprobs, completion_logprobs
-from core.request import Request, choose_seed
+from api.reply import MARKERS, ReplyParser, read_reply
+from api.text import Piece, TextOffsets, TextOptions, TextStream, chat_logprobs, completion_logprobs
+from core.request import Request, check_length, choose_seed
 from core.roles import ServerConfig
-from core.types import MAX_LOGPROBS, PromptLogprob, SamplingParams
+from core.structure import Structure
+from core.types import InvalidRequestError, PromptLogprob, SamplingParams
 
 log = logging.getLogger(__name__)
 MAX_N = 16
 MAX_STOPS = 16
+MAX_BAD_WORDS = 128
 CHAT_DEFAULT_MAX_TOKENS = 4096
+
+SAMPLING_CONTROLS = {
+    "min_p": ("min_p", 0.0),
+    "presence_penalty": ("presence_penalty", 0.0),
+    "frequency_penalty": ("frequency_penalty", 0.0),
+    "repetition_penalty": ("repetition_penalty", 1.0),
+    "min_tokens": ("min_tokens", 0),
+    "logit_bias": ("logit_bias", None),
+    "bad_words": ("bad_words_token_ids", None),
+    "allowed_token_ids": ("allowed_token_ids", None),
+    "stop_token_ids": ("stop_token_ids", None),
+}
+"""Request field -> (the `SamplingParams` field that holds it, the value that leaves it off). A control set to
+anything else needs the sampler to have that field: otherwise it is refused, naming the request's field."""
+SAMPLER_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+"""What this build's sampler takes."""
+
+
+@contextlib.contextmanager
+def named(names: dict[str, str]):
+    """Run core's checks (which name the request record's fields: `prompt`, `max_tokens`) with their faults
+    named as the route's body spells them (a chat's prompt is its `messages`)."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        raise bad_request(str(e), names.get(e.param, e.param)) from None
+
+
+@dataclass(frozen=True)
+class ReplySpec:
+    """How a chat choice's text is read back (`api.reply.ReplyParser`'s options, and whether the reasoning is
+    returned)."""
+
+    tools: frozenset[str] | None = None
+    in_reasoning: bool = False
+    parallel: bool = True
+    include_reasoning: bool = True
+
+    def parser(self) -> ReplyParser:
+        return ReplyParser(self.tools, self.in_reasoning, self.parallel)
 
 
 @dataclass
@@ -44,6 +93,10 @@ class Job:
     seed: int
     echo: str = ""
     prompt_logprobs: list[PromptLogprob] | None = None
+    text: TextOptions = field(default_factory=TextOptions)
+    structure: Structure | None = None
+    reply: ReplySpec | None = None
+    """A chat choice's: how its text is read into the message (None: the text is the answer)."""
 
 
 @dataclass
@@ -89,44 +142,95 @@ class Gateway:
         return await self.text.encode(text, param, add_special_tokens)
 
     def check_prompt_length(self, n: int, param: str = "prompt") -> None:
-        """A prompt longer than the context on its own (the check against max_tokens is in `sampling`)."""
-        context = self.model_cfg.max_position_embeddings
-        if n > context:
-            raise bad_request(f"this model's context is {context} tokens; the prompt has {n}; shorten it", param)
+        """A prompt longer than the context on its own, by its count alone (before its ids are read): core's
+        length rule with nothing to generate, blamed on the prompt."""
+        with named({"max_tokens": param}):
+            check_length(n, 0, self.model_cfg.max_position_embeddings)
+
+    @property
+    def structured_outputs(self) -> bool:
+        """Whether this build enforces output constraints (a grammar engine on the workers says so on the service)."""
+        return bool(getattr(self.service, "structured_outputs", False))
+
+    def check_structure(self, structure: Structure | None, param: str | None) -> None:
+        """A request that asks for an output constraint runs only where one is enforced: a 400 otherwise."""
+        if structure is not None and not self.structured_outputs:
+            raise bad_request(f"structured outputs are not enabled in this build ({param} asks for a {structure.kind} "
+                              "constraint, which no grammar engine here can enforce)", param)
+
+    def check_stream(self, body) -> None:
+        if body.stream_options is not None and not body.stream:
+            raise bad_request("stream_options is only for streamed requests (stream: true)", "stream_options")
+
+    def n(self, body) -> int:
+        n = 1 if body.n is None else body.n
+        if not 1 <= n <= MAX_N:
+            raise bad_request(f"n must be between 1 and {MAX_N}", "n")
+        return n
 
     def sampling(self, body, max_tokens: int | None, prompt_len: int, logprobs: int | None, echo: bool = False,
-                 prompt_param: str = "prompt") -> SamplingParams:
-        cfg = self.model_cfg
-        self.check_prompt_length(prompt_len, prompt_param)
-        if body.n < 1 or body.n > MAX_N:
-            raise bad_request(f"n must be between 1 and {MAX_N}", "n")
-        if body.presence_penalty or body.frequency_penalty:
-            raise bad_request("presence_penalty and frequency_penalty are not supported (leave them at 0)", "presence_penalty")
-        temperature = 1.0 if body.temperature is None else body.temperature
-        if not 0.0 <= temperature <= 2.0:
-            raise bad_request("temperature must be between 0 and 2", "temperature")
-        top_p = 1.0 if body.top_p is None else body.top_p
-        if not 0.0 < top_p <= 1.0:
-            raise bad_request("top_p must be in (0, 1]", "top_p")
-        top_k = 0 if body.top_k in (None, -1) else body.top_k
-        if top_k < 0:
-            raise bad_request("top_k must be >= 0 (or -1 for no limit)", "top_k")
-        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise bad_request(f"logprobs must be between 0 and {MAX_LOGPROBS}", "logprobs")
-        room = cfg.max_position_embeddings - prompt_len
+                 prompt_param: str = "prompt", names: dict[str, str] | None = None) -> SamplingParams:
+        """The choice's `SamplingParams` from the request body. The ranges are `SamplingParams`'s own; `names`
+        renames its parameters as this route spells them (chat's `top_logprobs` is its `logprobs`)."""
+        context = self.model_cfg.max_position_embeddings
+        self.check_prompt_length(prompt_len, prompt_param)  # the prompt's own fault first, whatever max_tokens is
         if max_tokens is None:
-            max_tokens = min(room, CHAT_DEFAULT_MAX_TOKENS)
-        if max_tokens < (0 if echo else 1):
-            raise bad_request("max_tokens must be at least 1 (0 is allowed with echo, to score the prompt)", "max_tokens")
-        if prompt_len + max_tokens > cfg.max_position_embeddings:
-            raise bad_request(
-                f"this model's context is {cfg.max_position_embeddings} tokens; the prompt has {prompt_len} and "
-                f"max_tokens asks for {max_tokens} more; shorten the prompt or lower max_tokens", "max_tokens")
+            max_tokens = min(context - prompt_len, CHAT_DEFAULT_MAX_TOKENS)
         prompt_logprobs = logprobs if echo and logprobs is not None else None
-        if max_tokens == 0 and prompt_logprobs is None:
+        if max_tokens == 0 and echo and prompt_logprobs is None:
             prompt_logprobs = 0  # nothing to generate: the request is a prefill that scores the prompt
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=body.seed,
-                              ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        fields = dict(max_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                      top_p=1.0 if body.top_p is None else body.top_p, top_k=0 if body.top_k in (None, -1) else body.top_k,
+                      seed=body.seed, ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        for name, (held_as, off) in SAMPLING_CONTROLS.items():
+            value = getattr(body, name, None)
+            if value is None or value == off or (isinstance(value, (list, dict)) and not value):
+                continue
+            if held_as not in SAMPLER_FIELDS:
+                raise bad_request(f"{name} is not supported by this server's sampler yet", name)
+            fields[held_as] = self._control(name, value)
+        with named(names or {}):
+            try:
+                sp = SamplingParams(**fields)
+            except InvalidRequestError:
+                raise
+            except (ValueError, TypeError) as e:  # a sampler that names no parameter
+                raise bad_request(str(e)) from None
+            check_length(prompt_len, sp.max_tokens, context)
+        return sp
+
+    def _control(self, name: str, value):
+        """A sampling control's request value as `SamplingParams` holds it (its range is checked there)."""
+        if name == "logit_bias":
+            try:
+                return {int(k): v for k, v in value.items()}
+            except ValueError:
+                raise bad_request("logit_bias keys must be token ids (integers as strings)", name) from None
+        if name == "bad_words":
+            return self.bad_words(value)
+        if isinstance(value, list):
+            return tuple(value)
+        return value
+
+    def bad_words(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's `bad_words` as token-id sequences: each word as written and, where that tokenizes differently,
+        after a space (a word inside a sentence is usually its spaced form)."""
+        self.require_tokenizer("bad_words")
+        if len(words) > MAX_BAD_WORDS:
+            raise bad_request(f"at most {MAX_BAD_WORDS} bad words", "bad_words")
+        out: list[tuple[int, ...]] = []
+        for w in words:
+            if not w.strip():
+                raise bad_request("a bad word must not be empty", "bad_words")
+            for form in (w, " " + w.lstrip()):
+                ids = tuple(self.tok.encode(form, add_special_tokens=False))
+                if ids and ids not in out:
+                    out.append(ids)
+        return tuple(out)
+
+    def text_options(self, body, stops: list[str], chat: bool = False) -> TextOptions:
+        return TextOptions(tuple(stops), body.include_stop_str_in_output, body.skip_special_tokens, body.min_tokens or 0,
+                           MARKERS if chat else ())
 
     def stops(self, stop) -> list[str]:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -134,27 +238,25 @@ class Gateway:
             raise bad_request(f"at most {MAX_STOPS} stop strings", "stop")
         return stops
 
-    def check_ids(self, ids: list[int], param: str = "prompt") -> None:
-        """Token ids (ints, by the schema) inside the vocabulary."""
-        v = self.model_cfg.vocab_size
-        if ids and (min(ids) < 0 or max(ids) >= v):  # two passes in C; the offenders are listed only if there are any
-            bad = [i for i in ids if not 0 <= i < v]
-            raise bad_request(f"token ids {bad[:5]} are outside the vocabulary (0..{v - 1})", param)
-
     def check_fanout(self, num_prompts: int, n: int) -> None:
         cap = self.cfg.max_sequences_per_request
         if num_prompts * n > cap:
             raise bad_request(f"{num_prompts} prompt(s) x n={n} = {num_prompts * n} sequences; at most {cap} per request "
                               "(send several requests)", "n")
 
-    def jobs(self, prompts: list[list[int]], samplings: list[SamplingParams], n: int, echoes: list[str]) -> list[Job]:
+    def jobs(self, prompts: list[list[int]], samplings: list[SamplingParams], n: int, echoes: list[str],
+             text: TextOptions = TextOptions(), structure: Structure | None = None, reply: ReplySpec | None = None,
+             prompt_param: str = "prompt") -> list[Job]:
         jobs = []
+        cfg = self.model_cfg
         for p, (ids, sp) in enumerate(zip(prompts, samplings)):
+            with named({"prompt": prompt_param}):  # the request's own rule, once per prompt (choices differ by seed only)
+                Request("check", tuple(ids), sp, 0, structure=structure).check(cfg.vocab_size, cfg.max_position_embeddings)
             for j in range(n):
-                jobs.append(Job(len(jobs), tuple(ids), sp, choose_seed(sp, j), echoes[p]))
+                jobs.append(Job(len(jobs), tuple(ids), sp, choose_seed(sp, j), echoes[p], None, text, structure, reply))
         if self.frontend is not None:
             for job in jobs:  # a prompt that could never fit any decode worker is refused before any work
-                self.frontend.check_admissible(Request("check", job.prompt_ids, job.sampling, job.seed))
+                self.frontend.check_admissible(Request("check", job.prompt_ids, job.sampling, job.seed, structure=job.structure))
         return jobs
 
     # admission -----------------------------------------------------------------------------------
@@ -177,10 +279,10 @@ class Gateway:
 
     # running choices -----------------------------------------------------------------------------
 
-    async def run_job(self, job: Job, stops: list[str], clock: RequestClock) -> AsyncIterator[tuple[Piece, str | None]]:
+    async def run_job(self, job: Job, clock: RequestClock) -> AsyncIterator[tuple[Piece, str | None]]:
         """The choice's text as it comes: (piece, finish reason or None). Closing it stops the request."""
-        ts = TextStream(self.tok, stops)
-        req = Request(self.frontend.new_request_id(), job.prompt_ids, job.sampling, job.seed)
+        ts = TextStream(self.tok, job.text)
+        req = Request(self.frontend.new_request_id(), job.prompt_ids, job.sampling, job.seed, structure=job.structure)
         async with contextlib.aclosing(self.frontend.generate(req)) as outputs:
             async for out in outputs:
                 if out.prompt_logprobs is not None:
@@ -203,19 +305,19 @@ class Gateway:
             if job.sampling.max_tokens == 0:
                 yield Piece(""), "length"
 
-    async def collect(self, job: Job, stops: list[str], clock: RequestClock) -> ChoiceResult:
+    async def collect(self, job: Job, clock: RequestClock) -> ChoiceResult:
         res = ChoiceResult(text=job.echo)
-        async for piece, reason in self.run_job(job, stops, clock):
+        async for piece, reason in self.run_job(job, clock):
             res.text += piece.text
             res.tokens.extend(piece.tokens)
             res.finish_reason = reason or res.finish_reason
         return res
 
-    async def merged(self, jobs: list[Job], stops: list[str], clock: RequestClock):
+    async def merged(self, jobs: list[Job], clock: RequestClock):
         """Pieces of all choices as they come: (job, piece, finish_reason), or an exception."""
         if len(jobs) == 1:  # the common case needs no queue
             try:
-                async for piece, reason in self.run_job(jobs[0], stops, clock):
+                async for piece, reason in self.run_job(jobs[0], clock):
                     yield jobs[0], piece, reason
             except Exception as e:
                 yield e
@@ -225,7 +327,7 @@ class Gateway:
 
         async def pump(job: Job) -> None:
             try:
-                async for piece, reason in self.run_job(job, stops, clock):
+                async for piece, reason in self.run_job(job, clock):
                     await q.put((job, piece, reason))
             except Exception as e:
                 await q.put(e)
@@ -307,38 +409,87 @@ class CompletionFormat:
 
     def __init__(self, tok, logprobs: bool) -> None:
         self.tok, self.logprobs = tok, logprobs
+        self.offsets: dict[int, TextOffsets] = {}  # a streamed choice's offsets, counted on from chunk to chunk
+
+    def _offsets(self, job: Job) -> TextOffsets:
+        return TextOffsets(self.tok, len(job.echo), job.text.skip_special)
 
     def choice(self, job: Job, r: ChoiceResult) -> dict:
-        lp = completion_logprobs(self.tok, r.tokens, 0 if job.prompt_logprobs else len(job.echo),
-                                 job.prompt_logprobs) if self.logprobs else None
+        lp = completion_logprobs(self.tok, r.tokens, self._offsets(job), job.prompt_logprobs) if self.logprobs else None
         return {"index": job.index, "text": r.text, "logprobs": lp, "finish_reason": r.finish_reason}
 
     def opening(self, job: Job) -> dict | None:
         if not job.echo:
             return None
-        lp = completion_logprobs(self.tok, [], 0, job.prompt_logprobs) if self.logprobs and job.prompt_logprobs else None
+        lp = completion_logprobs(self.tok, [], TextOffsets(None), job.prompt_logprobs) \
+            if self.logprobs and job.prompt_logprobs else None
         return {"index": job.index, "text": job.echo, "logprobs": lp, "finish_reason": None}
 
-    def chunk(self, job: Job, piece: Piece, reason: str | None, offset: int) -> dict:
-        lp = completion_logprobs(self.tok, piece.tokens, offset) if self.logprobs else None
+    def chunk(self, job: Job, piece: Piece, reason: str | None) -> dict | None:
+        offsets = self.offsets.setdefault(job.index, self._offsets(job))
+        lp = completion_logprobs(self.tok, piece.tokens, offsets) if self.logprobs else None
         return {"index": job.index, "text": piece.text, "logprobs": lp, "finish_reason": reason}
 
 
+def _finish(reason: str | None, calls: bool, error) -> str | None:
+    """A choice that stopped by itself after reading tool calls (and no broken one) finished to call them."""
+    return "tool_calls" if reason == "stop" and calls and error is None else reason
+
+
+def _call_delta(c) -> dict:
+    fn = {"arguments": c.arguments} if c.name is None else {"name": c.name, "arguments": c.arguments}
+    return {"index": c.index, "function": fn} if c.id is None else {"index": c.index, "id": c.id, "type": "function", "function": fn}
+
+
 class ChatFormat:
-    """/v1/chat/completions: assistant messages, `delta` chunks opened by the role, content logprobs."""
+    """/v1/chat/completions: assistant messages (reasoning, content and tool calls read out of the text),
+    `delta` chunks opened by the role, content logprobs."""
 
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
 
     def __init__(self, tok, logprobs: bool) -> None:
         self.tok, self.logprobs = tok, logprobs
+        self.parsers: dict[int, ReplyParser] = {}  # a streamed choice's reader
 
     def choice(self, job: Job, r: ChoiceResult) -> dict:
-        return {"index": job.index, "message": {"role": "assistant", "content": r.text},
-                "logprobs": chat_logprobs(self.tok, r.tokens) if self.logprobs else None, "finish_reason": r.finish_reason}
+        spec = job.reply or ReplySpec()
+        reply = read_reply(r.text, tools=spec.tools, in_reasoning=spec.in_reasoning, parallel=spec.parallel)
+        message = {"role": "assistant", "content": reply.content if reply.content or not reply.calls else None}
+        if reply.reasoning and spec.include_reasoning:
+            message["reasoning_content"] = reply.reasoning
+        if reply.calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                     for c in reply.calls]
+        out = {"index": job.index, "message": message, "logprobs": chat_logprobs(self.tok, r.tokens) if self.logprobs else None,
+               "finish_reason": _finish(r.finish_reason, bool(reply.calls), reply.error)}
+        if reply.error is not None:
+            out["tool_call_error"] = reply.error.body()
+        return out
 
     def opening(self, job: Job) -> dict | None:
         return {"index": job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-    def chunk(self, job: Job, piece: Piece, reason: str | None, offset: int) -> dict:
-        return {"index": job.index, "delta": {"content": piece.text} if piece.text else {},
-                "logprobs": chat_logprobs(self.tok, piece.tokens) if self.logprobs else None, "finish_reason": reason}
+    def chunk(self, job: Job, piece: Piece, reason: str | None) -> dict | None:
+        spec = job.reply or ReplySpec()
+        parser = self.parsers.get(job.index)
+        if parser is None:
+            parser = self.parsers[job.index] = spec.parser()
+        d = parser.feed(piece.text)
+        if reason is not None:
+            end = parser.finish()
+            d.reasoning, d.content, d.calls = d.reasoning + end.reasoning, d.content + end.content, d.calls + end.calls
+        delta = {}
+        if d.reasoning and spec.include_reasoning:
+            delta["reasoning_content"] = d.reasoning
+        if d.content:
+            delta["content"] = d.content
+        if d.calls:
+            delta["tool_calls"] = [_call_delta(c) for c in d.calls]
+        lp = chat_logprobs(self.tok, piece.tokens) if self.logprobs and piece.tokens else None
+        if not delta and lp is None and reason is None:
+            return None  # nothing became certain: the text so far may still be a delimiter
+        out = {"index": job.index, "delta": delta, "logprobs": lp,
+               "finish_reason": None if reason is None else _finish(reason, bool(parser.calls), parser.error)}
+        if reason is not None and parser.error is not None:
+            out["tool_call_error"] = parser.error.body()
+        return out

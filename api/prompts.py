@@ -130,13 +130,11 @@ class OffLoopTokenizer:
     def _encode_released(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    async def encode_chat(self, messages: list[dict], param: str = "messages") -> list[int]:
-        """The chat prompt's ids: rendered (on the pool when long: the template is Python), bounded, encoded
-        without adding special tokens, as `Tokenizer.encode_chat` does (the template writes them)."""
-        size = sum(len(m["content"]) for m in messages)
-        render = self.tok.apply_chat_template
-        text = render(messages) if size <= INLINE_CHARS else await self._run(render, messages)
-        return await self.encode(text, param, add_special_tokens=False)
+    async def render_chat(self, messages: list[dict], controls: dict) -> str:
+        """A chat's prompt text (`controls`: the renderer's chat options), rendered on the pool: the renderer is
+        Python (a Jinja template, or the model directory's own encoder, whose cost this process does not know),
+        so it never runs on the loop."""
+        return await self._run(lambda: self.tok.render_chat(messages, **controls))
 
     async def decode(self, ids: list[int]) -> str:
         if len(ids) <= INLINE_CHARS:

@@ -71,3 +71,27 @@ def test_end_of_sequence_ids_from_every_source(tmp_path):
     assert end_of_sequence_ids(d, cfg, (1,)) == (1,)
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7]}))
     assert end_of_sequence_ids(d, cfg, (5,)) == (1, 5, 7)
+
+
+def test_the_builtin_template_with_tools_calls_and_thinking_renders_as_transformers_does():
+    """The shipped template is SIMPLE_CHAT_TEMPLATE, and with tools, an assistant's reasoning and calls, a tool's
+    result and thinking it renders exactly as transformers' `apply_chat_template` does (which takes calls'
+    arguments as objects: ours come as JSON text, the OpenAI way, and are read for the template)."""
+    from model.tokenizer import SIMPLE_CHAT_TEMPLATE, ChatOptions
+
+    assert json.loads((SHIPPED / "tokenizer_config.json").read_text())["chat_template"] == SIMPLE_CHAT_TEMPLATE
+    ours, hf = load_tokenizer(SHIPPED), _hf(SHIPPED)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+                                                                                     "properties": {"city": {"type": "string"}}}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}}
+    chat = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": "", "reasoning_content": "use the tool", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    hf_chat = [*chat[:2], {**chat[2], "tool_calls": [{**call, "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}]},
+               chat[3]]
+    for kwargs in ({}, {"thinking": True}, {"enable_thinking": True}):
+        for effort in (None, "high"):
+            extra = {} if effort is None else {"reasoning_effort": effort}
+            got = ours.render_chat(chat, ChatOptions(tools=tools, kwargs=kwargs, reasoning_effort=effort))
+            assert got == hf.apply_chat_template(hf_chat, tools=tools, add_generation_prompt=True, tokenize=False, **kwargs, **extra)
+    assert got.endswith("<|assistant|><think>") and "<tool_result>sunny</tool_result>" in got
