@@ -3,7 +3,8 @@
 A `Request` is what a caller asked for: a prompt, how to sample, and the seed that makes sampling
 reproducible anywhere. It holds the rules that used to be restated hop by hop:
 - `check`: the one prompt rule (not empty, every id in the vocabulary, prompt + max_tokens within the
-  model's context), an `InvalidRequestError` naming the parameter;
+  model's context) and the sampling's vocabulary checks (`SamplingParams.check`), an
+  `InvalidRequestError` naming the parameter;
 - `reserve_tokens`: the final length the decode side reserves pages for;
 - `choose_seed`: the one seed rule (the request's seed, plus the choice's index for n > 1; otherwise a
   fresh random one, chosen once, so a retry or the PD split draws what one process would).
@@ -82,9 +83,11 @@ class Request:
             object.__setattr__(self, "prompt_len", len(self.prompt_token_ids))
 
     def check(self, vocab_size: int, context_len: int) -> None:
-        """The one prompt rule; raises `InvalidRequestError` naming the parameter."""
+        """The one prompt rule, then the token ids the sampling controls name; raises `InvalidRequestError`
+        naming the parameter."""
         check_prompt(self.prompt_token_ids, vocab_size)
         check_length(len(self.prompt_token_ids), self.sampling.max_tokens, context_len)
+        self.sampling.check(vocab_size)
 
     @property
     def reserve_tokens(self) -> int:
@@ -131,8 +134,12 @@ class Attempt:
         return cls(request, request.request_id, **fields)
 
     def stripped(self) -> Attempt:
-        """This attempt without its prompt's tokens (their count stays): what the decode side is sent, which
-        reads nothing of the prompt but its length — a long prompt is not pickled into every handoff."""
+        """What the decode side is sent: this attempt without its prompt's tokens (their count stays), since
+        decoding reads nothing of the prompt but its length and a long prompt should not be pickled into
+        every handoff — unless the sampling reads them (`SamplingParams.needs_prompt`: a repetition penalty
+        counts the prompt's tokens as seen), when the attempt goes whole. The generated tokens always stay."""
+        if self.sampling.needs_prompt:
+            return self
         return replace(self, request=replace(self.request, prompt_token_ids=()))
 
     def retry(self, key: str, generated: tuple[int, ...], solo: bool) -> Attempt:
