@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from cachetier.layout import KVLayout
 from core.types import SampledToken, SamplingParams, finish_reason
 from model.model import V4Model
-from model.sampling import SamplingBatch, index_column, sample_batch
+from model.sampling import SamplingBatch, TokenHistory, index_column, sample_batch
 
 
 def generate_plain(
@@ -29,7 +29,9 @@ def generate_plain(
     for a in range(0, len(prompt_ids), chunk):
         logits, layout = model.prefill(prompt_ids[a : a + chunk], layout, last_only=True)
     seed = params.seed if params.seed is not None else seed
-    sampling = SamplingBatch.build([params], [seed], logits.device, logits.shape[-1])
+    vocab = logits.shape[-1]
+    history, slots = TokenHistory.for_rows([params], [(tuple(prompt_ids), ())], vocab, logits.device)  # penalties see the prompt
+    sampling = SamplingBatch.build([params], [seed], logits.device, vocab, eos_ids=eos, history=history, slots=slots)
     index = index_column([0], logits.device)  # the index of the token being generated: len(out)
     out: list[SampledToken] = []
     while True:

@@ -1,24 +1,32 @@
-"""Turning logits into tokens: greedy, temperature, top-k, top-p, min-p, seeded and reproducible, batched on the
-logits' device.
+"""Turning logits into tokens: logit processors (bias, penalties, bans, masks), then greedy, temperature,
+top-k, top-p, min-p, seeded and reproducible, batched on the logits' device.
 
-A sampled token depends only on (logits row, sampling params, seed, token index). The noise a row adds to its
-logits is a counter-based hash of (seed, index, vocab id), not the state of a generator, so a row draws the
-same token alone or in any batch, on a prefill actor or a decode actor, and after a retry that re-prefills it
-elsewhere — with no per-request generator to carry across the split.
+A sampled token depends only on (logits row, sampling params, seed, token index, the tokens the request has
+seen). The noise a row adds to its logits is a counter-based hash of (seed, index, vocab id), not the state of
+a generator, so a row draws the same token alone or in any batch, on a prefill actor or a decode actor, and
+after a retry that re-prefills it elsewhere — with no per-request generator to carry across the split. What a
+request has seen (for penalties and bad words) is rebuilt from its tokens wherever it arrives (`TokenHistory`).
 
 The pieces, in the order a step runs them:
-- `SamplingBatch.build` (host, once per batch composition): the per-row parameters as tensors on the device.
-  The decode worker keeps one per group and only advances the token-index column between steps.
+- `SamplingBatch.build` (host, once per batch composition): the per-row parameters as tensors on the device,
+  its `LogitProcessors` among them. The decode worker keeps one per group and only advances the token-index
+  column between steps.
+- `process_logits` (device): every per-row change to the raw logits, in this order: `logit_bias` added;
+  repetition, frequency and presence penalties from the request's `TokenHistory` row; bans (end-of-sequence
+  and stop ids below `min_tokens`, bad words whose prefix was just generated) as -inf; `allowed_token_ids`
+  and then a grammar engine's token bitmask (`apply_token_bitmask`, one [rows, vocab/32] int32 input) as
+  masks. Rows no processor touches pass unchanged, and a batch without any pays nothing.
 - `filtered_logits` (device, per block of sampled rows): temperature, then top-k, top-p and min-p, each a
-  per-row floor on the logits, so no filter scatters a mask back through a sort. `log_softmax` of its result is the distribution a row draws
-  from (what speculative decoding's acceptance test will need); logit biases, penalties or a grammar mask
-  are later steps on the logits before it.
-- `draw` / `sample_tokens` (device): an exponential race over the filtered logits. Pure tensor ops with shapes
-  fixed by the batch composition (no host reads, no tensors from host data, no data-dependent shapes), so
-  the step can sit inside a CUDA graph or `torch.compile(fullgraph=True)`.
+  per-row floor on the logits, so no filter scatters a mask back through a sort. `log_softmax` of its result
+  is the distribution a row draws from (what speculative decoding's acceptance test will need).
+- `draw` / `sample_tokens` (device): an exponential race over the filtered logits (greedy rows: the argmax of
+  the processed logits). `sample_step` adds the history update (one scatter of the drawn tokens). Pure tensor
+  ops with shapes fixed by the batch composition (no host reads, no tensors from host data, no data-dependent
+  shapes), so the step can sit inside a CUDA graph or `torch.compile(fullgraph=True)`.
 - `sample_batch` (the host boundary): one `.tolist()` of the token ids, plus log-probabilities for the rows
-  that ask (of the raw distribution: unfiltered, temperature 1).
-- `sample`: the list-in, list-out entry (builds a `SamplingBatch` and calls the above).
+  that ask (of the raw distribution: unprocessed, unfiltered, temperature 1; see `SampledToken`).
+- `sample`: the list-in, list-out entry (builds a `SamplingBatch`, and a `TokenHistory` from the tokens so far
+  where a row needs one, and calls the above).
 """
 
 from __future__ import annotations
@@ -27,9 +35,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from core.types import SampledToken, SamplingParams, plain_token
+from core.types import MAX_BAD_WORD_TOKENS, SampledToken, SamplingParams, plain_token
 
 NEG_INF = float("-inf")
 
@@ -180,14 +189,288 @@ class SampledBlock:
         )
 
 
+# --- logit processors --------------------------------------------------------------------------------------------
+
+NO_TOKEN = -1
+"""A `TokenHistory.recent` entry no generated token has filled yet (matches no bad word's prefix)."""
+ANY_TOKEN = -2
+"""A prefix entry any token matches: shorter bad words' prefixes are padded with it on the left."""
+NEVER = 1 << 62
+"""The token-index limit of a ban that never lifts (a bad word's; min_tokens' lift at min_tokens)."""
+
+
+def count_penalty(counts: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """What the frequency and presence penalties add to a logit, from the token's generated count: -(frequency x
+    count + presence x (count > 0)), float32 of counts' shape (penalties float32, broadcast against it). The one
+    formula, so a history rebuilt from tokens holds what steps wrote into it, bit for bit."""
+    return (counts * frequency + (counts > 0) * presence).neg_()
+
+
+class TokenHistory:
+    """What requests have seen, on the device, for the processors that look back (`SamplingParams.needs_history`):
+    a pool of rows, one per such request, taken when the request arrives and rebuilt there from its tokens so
+    far (a fresh request, a retry re-prefilled with generated tokens, either side of the PD split alike),
+    updated by every step that samples it (a scatter of the drawn tokens), freed when it leaves. Requests that
+    need none never take a row, and a worker that never sees one never makes the pool.
+
+    - `counts` [capacity, vocab] int32: how often each token was generated;
+    - `penalty` [capacity, vocab] float32: the row's request's frequency and presence penalties for those
+      counts (`count_penalty`), kept beside them so a step adds one row instead of recomputing it (on the
+      CPU a 64 x 129,280 batch paid ~7x as much for the recomputation);
+    - `seen` [capacity, vocab] bool: tokens of the prompt or generated (the repetition penalty's set);
+    - `recent` [capacity, RING] int64: the last RING generated tokens, most recent last, NO_TOKEN before the
+      first — bad words' prefixes are matched against its tail.
+    9 bytes a vocabulary entry a row (74 MB for 64 rows of 129,280). `take`, `load` and `free` are host work
+    between steps; steps only read and write the rows of their batch."""
+
+    RING = MAX_BAD_WORD_TOKENS - 1
+
+    def __init__(self, capacity: int, vocab: int, device: torch.device | str) -> None:
+        self.capacity, self.vocab, self.device = capacity, vocab, torch.device(device)
+        self.counts = torch.zeros((capacity, vocab), dtype=torch.int32, device=device)
+        self.penalty = torch.zeros((capacity, vocab), dtype=torch.float32, device=device)
+        self.seen = torch.zeros((capacity, vocab), dtype=torch.bool, device=device)
+        self.recent = torch.full((capacity, self.RING), NO_TOKEN, dtype=torch.int64, device=device)
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def take(self, params: SamplingParams, prompt: Sequence[int], generated: Sequence[int]) -> int:
+        """A free row, loaded for a request with these params and tokens; returns its slot."""
+        if not self._free:
+            raise RuntimeError(f"all {self.capacity} rows of the token history are taken")
+        slot = self._free.pop()
+        self.load(slot, params, prompt, generated)
+        return slot
+
+    def load(self, slot: int, params: SamplingParams, prompt: Sequence[int], generated: Sequence[int]) -> None:
+        """Row `slot` as a request with `params` that has seen `prompt` and then generated `generated`."""
+        counts = self.counts[slot].zero_()  # [vocab]
+        seen = self.seen[slot].zero_()
+        if len(generated):
+            ids = _ints(list(generated), self.device)
+            counts.index_add_(0, ids, torch.ones(ids.shape, dtype=torch.int32, device=self.device))
+            seen.index_fill_(0, ids, True)
+        if len(prompt):
+            seen.index_fill_(0, _ints(list(prompt), self.device), True)
+        f32 = torch.float32
+        self.penalty[slot] = count_penalty(counts, torch.tensor(params.frequency_penalty, dtype=f32, device=self.device),
+                                           torch.tensor(params.presence_penalty, dtype=f32, device=self.device))
+        tail = list(generated[len(generated) - self.RING :]) if len(generated) > self.RING else list(generated)
+        self.recent[slot] = _ints([NO_TOKEN] * (self.RING - len(tail)) + tail, self.device)
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    @property
+    def taken(self) -> int:
+        return self.capacity - len(self._free)
+
+    @classmethod
+    def for_rows(cls, params: Sequence[SamplingParams], tokens_so_far: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None,
+                 vocab: int, device: torch.device | str) -> tuple[TokenHistory | None, list[int] | None]:
+        """A pool just for these rows (one call's, as prefill samples a first token), holding for each row that
+        needs one its (prompt, generated) tokens from `tokens_so_far` (None, or a None entry: nothing seen);
+        returns it and every row's slot (-1: none), or (None, None) when no row looks back."""
+        need = [i for i, p in enumerate(params) if p.needs_history]
+        if not need:
+            return None, None
+        history = cls(len(need), vocab, device)
+        slots = [-1] * len(params)
+        for i in need:
+            seen = tokens_so_far[i] if tokens_so_far is not None else None
+            slots[i] = history.take(params[i], *(seen or ((), ())))
+        return history, slots
+
+
+def pack_token_bitmask(token_sets: Sequence[Sequence[int]], vocab: int, device: torch.device | str) -> torch.Tensor:
+    """Token id sets -> [len(token_sets), ceil(vocab / 32)] int32, bit j of word w set iff token 32 w + j is in
+    the row's set: the layout grammar engines (xgrammar) fill, so their masks and ours go through one function
+    (`apply_token_bitmask`)."""
+    bits = np.zeros((len(token_sets), (vocab + 31) // 32), dtype=np.uint32)
+    for row, ids in enumerate(token_sets):
+        ids = np.asarray(list(ids), dtype=np.int64)
+        np.bitwise_or.at(bits[row], ids >> 5, np.left_shift(np.uint32(1), (ids & 31).astype(np.uint32)))
+    return torch.from_numpy(bits.view(np.int32)).to(device)
+
+
+def apply_token_bitmask(x: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits x [n, vocab] float32, in place: every token whose bit is clear goes to -inf. `bitmask`
+    [r, ceil(vocab / 32)] int32 in `pack_token_bitmask`'s layout, for rows `rows` [r] int64 of x (None: every
+    row, r = n). Returns x."""
+    vocab = x.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=x.device)
+    allowed = (bitmask[:, :, None] >> shifts).bitwise_and_(1).reshape(bitmask.shape[0], -1)[:, :vocab]  # [r, vocab]
+    if rows is None:
+        return x.masked_fill_(allowed == 0, NEG_INF)
+    return x.index_copy_(0, rows, x[rows].masked_fill_(allowed == 0, NEG_INF))
+
+
+@dataclass(frozen=True, eq=False)
+class LogitProcessors:
+    """A batch's per-row changes to the raw logits, as tensors on the device (see `apply` for the order).
+    Built with the batch; None when no row asks for any. Every change is a row's own: a flat position
+    `row * vocab + token`, or a gather of the rows that ask, so a row is processed the same in any batch."""
+
+    vocab: int
+    bias_at: torch.Tensor | None
+    """[q] int64 flat positions of every (row, token) with a logit bias."""
+    bias: torch.Tensor | None
+    """[q] float32 the biases."""
+    history: TokenHistory | None
+    history_rows: torch.Tensor | None
+    """[h] int64 batch rows with a history slot; None when every row has one (then in batch order)."""
+    history_slots: torch.Tensor | None
+    """[h] int64 their rows in `history`; None when no row looks back."""
+    history_ones: torch.Tensor | None
+    """[h] int32 ones (the count each drawn token adds)."""
+    repetition: torch.Tensor | None
+    """[h, 1] float32 repetition penalties (1: none); None when no row asks."""
+    frequency: torch.Tensor | None
+    """[h] float32; None (with `presence`) when no row asks for either (their `penalty` rows are then zeros)."""
+    presence: torch.Tensor | None
+    """[h] float32."""
+    ban_at: torch.Tensor | None
+    """[z] int64 flat positions of the banned (row, token) entries: min_tokens' stop ids and bad words' last
+    tokens."""
+    ban_row: torch.Tensor | None
+    """[z] int64 each entry's row."""
+    ban_until: torch.Tensor | None
+    """[z] int64 the entry bans while its row's token index is below this (min_tokens; NEVER for words)."""
+    ban_slot: torch.Tensor | None
+    """[z] int64 the history slot of each entry's row (0 for entries without a prefix); None without prefixes."""
+    ban_prefix: torch.Tensor | None
+    """[z, P] int64 the tokens that must be the row's last generated ones for the entry to ban, right-aligned,
+    ANY_TOKEN on the left of shorter ones; P is the batch's longest prefix. None when no word has a prefix."""
+    ban_any: torch.Tensor | None
+    """[z, P] bool where `ban_prefix` is ANY_TOKEN."""
+    allow_rows: torch.Tensor | None
+    """[a] int64 rows with `allowed_token_ids`; None when every row has them."""
+    allow_bits: torch.Tensor | None
+    """[a, ceil(vocab / 32)] int32 their allowed tokens (`pack_token_bitmask`); None when no row asks."""
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], device: torch.device | str, vocab: int, eos_ids: Sequence[int] = (),
+              history: TokenHistory | None = None, slots: Sequence[int] | None = None) -> LogitProcessors | None:
+        """`eos_ids`: the model's end-of-sequence ids (min_tokens holds them back with the stop ids, unless a
+        row ignores them); `history`/`slots`: the pool and each row's slot in it (-1: none), required for the
+        rows that look back (`SamplingParams.needs_history`)."""
+        if not any(p.processes_logits for p in params):
+            return None
+        for p in params:
+            if p.processes_logits:
+                p.check(vocab)  # an id outside the vocabulary would index past a row on the device
+        bias = [(i * vocab + t, b) for i, p in enumerate(params) for t, b in p.logit_bias]
+        hist = [i for i, p in enumerate(params) if p.needs_history]
+        if hist and (history is None or slots is None or any(slots[i] < 0 for i in hist)):
+            raise ValueError("rows whose sampling looks back at their tokens need a TokenHistory slot")
+        if hist and history.vocab != vocab:
+            raise ValueError(f"the token history holds {history.vocab} tokens a row; the logits have {vocab}")
+        rep = [params[i].repetition_penalty for i in hist]
+        freq = [params[i].frequency_penalty for i in hist]
+        pres = [params[i].presence_penalty for i in hist]
+        bans = []  # (flat position, row, until, prefix)
+        for i, p in enumerate(params):
+            if p.min_tokens:
+                bans += [(i * vocab + t, i, p.min_tokens, ()) for t in dict.fromkeys(p.stop_ids(eos_ids))]
+            bans += [(i * vocab + w[-1], i, NEVER, w[:-1]) for w in p.bad_words_token_ids]
+        width = max((len(b[3]) for b in bans), default=0)
+        allow = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+        f32 = torch.float32
+        return cls(
+            vocab=vocab,
+            bias_at=_ints([a for a, _ in bias], device) if bias else None,
+            bias=torch.tensor([b for _, b in bias], dtype=f32, device=device) if bias else None,
+            history=history if hist else None,
+            history_rows=_ints(hist, device) if hist and len(hist) < len(params) else None,
+            history_slots=_ints([slots[i] for i in hist], device) if hist else None,
+            history_ones=torch.ones(len(hist), dtype=torch.int32, device=device) if hist else None,
+            repetition=_column(rep, f32, device) if any(r != 1.0 for r in rep) else None,
+            frequency=torch.tensor(freq, dtype=f32, device=device) if any(freq) or any(pres) else None,
+            presence=torch.tensor(pres, dtype=f32, device=device) if any(freq) or any(pres) else None,
+            ban_at=_ints([b[0] for b in bans], device) if bans else None,
+            ban_row=_ints([b[1] for b in bans], device) if bans else None,
+            ban_until=_ints([b[2] for b in bans], device) if bans else None,
+            ban_slot=_ints([slots[b[1]] if b[3] else 0 for b in bans], device) if width else None,
+            ban_prefix=_ints([[ANY_TOKEN] * (width - len(b[3])) + list(b[3]) for b in bans], device) if width else None,
+            ban_any=_ints([[1] * (width - len(b[3])) + [0] * len(b[3]) for b in bans], device).bool() if width else None,
+            allow_rows=_ints(allow, device) if allow and len(allow) < len(params) else None,
+            allow_bits=pack_token_bitmask([params[i].allowed_token_ids for i in allow], vocab, device) if allow else None,
+        )
+
+    def apply(self, x: torch.Tensor, index: torch.Tensor) -> None:
+        """Logits x [rows, vocab] float32 (contiguous, the batch's own copy), in place; index [rows] int64 the
+        token index each row generates. In order: biases added; the repetition penalty on every token seen
+        (divide a positive logit, multiply the others); the frequency and presence penalties (`count_penalty`)
+        added; bans to -inf; the allowed-token mask."""
+        flat = x.view(-1)
+        if self.bias_at is not None:
+            flat.index_add_(0, self.bias_at, self.bias)
+        h, rows, slots = self.history, self.history_rows, self.history_slots
+        if self.repetition is not None:
+            xh = _pick(x, rows)  # [h, vocab]
+            penalised = torch.where(xh > 0, xh / self.repetition, xh * self.repetition)
+            if rows is None:
+                torch.where(h.seen[slots], penalised, xh, out=x)
+            else:
+                x.index_copy_(0, rows, torch.where(h.seen[slots], penalised, xh))
+        if self.frequency is not None:
+            if rows is None:
+                x.add_(h.penalty[slots])
+            else:
+                x.index_add_(0, rows, h.penalty[slots])
+        if self.ban_at is not None:
+            banned = index[self.ban_row] < self.ban_until  # [z]
+            if self.ban_prefix is not None:
+                width = self.ban_prefix.shape[1]
+                last = self.history.recent[self.ban_slot][:, self.history.RING - width :]  # [z, P]
+                banned &= ((last == self.ban_prefix) | self.ban_any).all(dim=-1)
+            flat.index_add_(0, self.ban_at, x.new_zeros(self.ban_at.shape).masked_fill_(banned, NEG_INF))
+        if self.allow_bits is not None:
+            apply_token_bitmask(x, self.allow_bits, self.allow_rows)
+
+    def record(self, tokens: torch.Tensor) -> None:
+        """The drawn tokens [rows] int64 join their rows' histories: counted (their penalties rewritten from the
+        new counts), seen, and (when the batch matches bad words' prefixes) pushed onto the recent tokens."""
+        if self.history_slots is None:
+            return
+        tok = _pick(tokens, self.history_rows)  # [h]
+        at = self.history_slots * self.vocab + tok  # [h] flat positions in the history's rows
+        counts = self.history.counts.view(-1)
+        counts.index_add_(0, at, self.history_ones)
+        self.history.seen.view(-1).index_fill_(0, at, True)
+        if self.frequency is not None:
+            self.history.penalty.view(-1).index_copy_(0, at, count_penalty(counts[at], self.frequency, self.presence))
+        if self.ban_prefix is not None:
+            recent = self.history.recent[self.history_slots]  # [h, RING]
+            self.history.recent.index_copy_(0, self.history_slots, torch.cat((recent[:, 1:], tok[:, None]), dim=1))
+
+
+def process_logits(logits: torch.Tensor, sb: SamplingBatch, index: torch.Tensor,
+                   token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """Every per-row processor on a batch's raw logits [rows, vocab] -> what greedy rows take the argmax of
+    and sampled rows filter and draw from: the logits themselves when nothing applies, otherwise a float32
+    copy with the batch's `LogitProcessors` applied and then `token_bitmask` (a grammar engine's mask,
+    [rows, ceil(vocab / 32)] int32 in `pack_token_bitmask`'s layout, one row per batch row; None: none).
+    index [rows] int64: the index of the token each row generates."""
+    pr = sb.processors
+    if pr is None and token_bitmask is None:
+        return logits
+    x = torch.empty(logits.shape, dtype=torch.float32, device=logits.device).copy_(logits)  # [rows, vocab] contiguous
+    if pr is not None:
+        pr.apply(x, index)
+    if token_bitmask is not None:
+        apply_token_bitmask(x, token_bitmask)
+    return x
+
+
 @dataclass(frozen=True, eq=False)
 class SamplingBatch:
     """A batch's sampling parameters as tensors on the logits' device, for a fixed list of rows.
 
     Built on the host once per batch composition; the step itself (`sample_tokens`) only reads it. The Python
     fields (block bounds, widths, which filters a block's rows ask for) fix the step's shapes and which ops
-    run, so a captured step stays valid for as long as the composition does. Parameters are kept for the
-    sampled rows only (temperature > 0): greedy rows pay for an argmax and nothing else."""
+    run, so a captured step stays valid for as long as the composition does. Filter parameters are kept for
+    the sampled rows only (temperature > 0): a greedy row pays for an argmax, plus its processors if it asks
+    for any (a greedy row honours bias, penalties and masks like any other)."""
 
     num_rows: int
     vocab: int
@@ -206,12 +489,17 @@ class SamplingBatch:
     """(row, how many alternatives) for each of those rows, on the host."""
     logprob_width: int
     """The most of them, capped at the vocabulary (the width of the one batched topk)."""
+    processors: LogitProcessors | None = None
+    """The rows' changes to the raw logits; None when no row asks for any."""
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], device: torch.device | str,
-              vocab: int, block_rows: int | None = None) -> SamplingBatch:
+              vocab: int, block_rows: int | None = None, *, eos_ids: Sequence[int] = (),
+              history: TokenHistory | None = None, slots: Sequence[int] | None = None) -> SamplingBatch:
         """`block_rows`: sampled rows per block; by default one block on a GPU and `CPU_BLOCK_ELEMENTS` worth on
-        the CPU (the draw is the same whatever the blocks: a row never sees another row's values)."""
+        the CPU (the draw is the same whatever the blocks: a row never sees another row's values).
+        `eos_ids`, `history`, `slots`: see `LogitProcessors.build` (the model's end-of-sequence ids, and the
+        token history of the rows that look back)."""
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         greedy = [i for i, p in enumerate(params) if p.greedy]
         gather = bool(sampled and greedy)  # some rows are skipped: blocks pick theirs by index
@@ -233,6 +521,7 @@ class SamplingBatch:
             logprob_rows=_ints(wants, device) if wants else None,
             logprob_asks=asks,
             logprob_width=min(max((n for _, n in asks), default=0), vocab),
+            processors=LogitProcessors.build(params, device, vocab, eos_ids, history, slots),
         )
 
 
@@ -333,37 +622,53 @@ def _top_p_floor(x: torch.Tensor, cand: torch.Tensor | None, k_floor: torch.Tens
 # --- the step --------------------------------------------------------------------------------------------------
 
 
-def sample_tokens(logits: torch.Tensor, sb: SamplingBatch, index: torch.Tensor) -> torch.Tensor:
+def sample_tokens(logits: torch.Tensor, sb: SamplingBatch, index: torch.Tensor,
+                  token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """logits [rows, vocab], index [rows] int64 (the index of the token each row generates) -> token ids
-    [rows] int64 on the logits' device. Greedy rows take the first index of their largest logit; sampled
-    rows draw from their filtered distribution. Capture-safe: see the module docstring."""
+    [rows] int64 on the logits' device. Every row's processors apply first (`process_logits`; `token_bitmask`
+    is a grammar engine's mask); then greedy rows take the first index of their largest logit and sampled
+    rows draw from their filtered distribution. Reads the token histories, never writes them (`sample_step`
+    does). Capture-safe: see the module docstring."""
+    x = process_logits(logits, sb, index, token_bitmask)  # [rows, vocab]
     if not sb.num_sampled:
-        return logits.argmax(dim=-1)
-    drawn = [_draw_block(logits, index, blk, sb.mixed_vocab) for blk in sb.blocks]
+        return x.argmax(dim=-1)
+    drawn = [_draw_block(x, index, blk, sb.mixed_vocab) for blk in sb.blocks]
     drawn = drawn[0] if len(drawn) == 1 else torch.cat(drawn)  # [n] in the blocks' order
     if sb.greedy_rows is None:
         return drawn
     out = torch.empty(sb.num_rows, dtype=torch.int64, device=logits.device)
-    out.index_copy_(0, sb.greedy_rows, _pick(logits, sb.greedy_rows).argmax(dim=-1))
+    out.index_copy_(0, sb.greedy_rows, _pick(x, sb.greedy_rows).argmax(dim=-1))
     return out.index_copy_(0, sb.sampled_rows, drawn)
 
 
-def _draw_block(logits: torch.Tensor, index: torch.Tensor, blk: SampledBlock, mixed_vocab: torch.Tensor) -> torch.Tensor:
-    """One block's tokens [b]."""
+def sample_step(logits: torch.Tensor, sb: SamplingBatch, index: torch.Tensor,
+                token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """The device part of a step: `sample_tokens`, then the drawn tokens join the rows' token histories (so
+    the next step's penalties and bad words see them). Capture-safe like `sample_tokens`."""
+    tokens = sample_tokens(logits, sb, index, token_bitmask)  # [rows]
+    if sb.processors is not None:
+        sb.processors.record(tokens)
+    return tokens
+
+
+def _draw_block(x: torch.Tensor, index: torch.Tensor, blk: SampledBlock, mixed_vocab: torch.Tensor) -> torch.Tensor:
+    """One block's tokens [b] from the processed logits x [rows, vocab]."""
     if blk.rows is None:
-        x, idx = logits[blk.start : blk.stop], index[blk.start : blk.stop]  # views
+        xb, idx = x[blk.start : blk.stop], index[blk.start : blk.stop]  # views
     else:
-        x, idx = logits[blk.rows], index[blk.rows]
-    return draw(filtered_logits(x, blk), row_keys(blk.seed_words, idx), mixed_vocab)
+        xb, idx = x[blk.rows], index[blk.rows]
+    return draw(filtered_logits(xb, blk), row_keys(blk.seed_words, idx), mixed_vocab)
 
 
-def sample_batch(logits: torch.Tensor, sb: SamplingBatch, index: torch.Tensor) -> list[SampledToken]:
-    """One token per row, with log-probabilities where asked: the device step plus one `.tolist()` of the
-    token ids (and the log-probability tensors of the rows that asked). An all-greedy batch without
-    log-probabilities takes `greedy_tokens` (NumPy's argmax on the CPU)."""
-    if not sb.num_sampled and sb.logprob_rows is None:
+def sample_batch(logits: torch.Tensor, sb: SamplingBatch, index: torch.Tensor,
+                 token_bitmask: torch.Tensor | None = None) -> list[SampledToken]:
+    """One token per row, with log-probabilities where asked: the device step (`sample_step`: the histories
+    advance) plus one `.tolist()` of the token ids (and the log-probability tensors of the rows that asked).
+    An all-greedy batch without log-probabilities or processors takes `greedy_tokens` (NumPy's argmax on the
+    CPU)."""
+    if not sb.num_sampled and sb.logprob_rows is None and sb.processors is None and token_bitmask is None:
         return [plain_token(t) for t in greedy_tokens(logits)]
-    tokens_dev = sample_tokens(logits, sb, index)
+    tokens_dev = sample_step(logits, sb, index, token_bitmask)
     lp = None
     if sb.logprob_rows is not None:  # queued before the first read, so the device runs it all in one go
         lp = _logprobs(logits, tokens_dev, sb)
@@ -378,7 +683,8 @@ def sample_batch(logits: torch.Tensor, sb: SamplingBatch, index: torch.Tensor) -
 
 def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """For the rows that asked: [w, 1 + width] (the chosen token's log-probability, then the top ones) and
-    [w, width] the top ids, of the raw distribution (unfiltered, temperature 1)."""
+    [w, width] the top ids, of the raw distribution (unprocessed, unfiltered, temperature 1): the contract
+    `SampledToken` states."""
     lp = torch.log_softmax(_pick(logits, sb.logprob_rows).float(), dim=-1)  # [w, vocab]
     chosen = lp.gather(1, _pick(tokens, sb.logprob_rows)[:, None])  # [w, 1]
     vals, ids = lp.topk(sb.logprob_width, dim=-1)  # [w, width]
@@ -397,10 +703,17 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
 
 
 def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], indices: Sequence[int]
+    logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], indices: Sequence[int],
+    eos_ids: Sequence[int] = (),
+    tokens_so_far: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None,
 ) -> list[SampledToken]:
     """logits [batch, vocab] -> one token per row; `indices[i]` is the index of the token being generated.
-    Builds the batch's tensors for this one call; a caller that samples the same rows step after step keeps
-    a `SamplingBatch` and an `index_column` and calls `sample_batch`."""
-    sb = SamplingBatch.build(params, seeds, logits.device, logits.shape[-1])
+    `eos_ids`: the model's end-of-sequence ids (what `min_tokens` holds back besides the stop ids);
+    `tokens_so_far[i]`: row i's (prompt, generated) tokens, read by the rows that look back (penalties, bad
+    words; None: nothing seen). Builds the batch's tensors for this one call; a caller that samples the same
+    rows step after step keeps a `SamplingBatch` (and a `TokenHistory`) and an `index_column` and calls
+    `sample_batch`."""
+    vocab = logits.shape[-1]
+    history, slots = TokenHistory.for_rows(params, tokens_so_far, vocab, logits.device)
+    sb = SamplingBatch.build(params, seeds, logits.device, vocab, eos_ids=eos_ids, history=history, slots=slots)
     return sample_batch(logits, sb, index_column(indices, logits.device))
