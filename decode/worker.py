@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,7 +42,7 @@ from core.types import SampledToken, SamplingParams, StepTokens, TokenEvent, fin
 from decode.runner import StepRunner
 from model.model import V4Model
 from model.parallel import ReplicaBroken
-from model.sampling import SamplingBatch, greedy_tokens, index_column, sample_batch
+from model.sampling import SamplingBatch, TokenHistory, greedy_tokens, index_column, sample_batch
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,24 @@ class DecodeRequest:
     """The prefilled layout; None while it is still `packed` (it is unpacked on the step thread, when written)."""
     packed: PackedLayout | None = None
     """The layout as it arrived (one buffer), when `layout` is not unpacked yet."""
+
+    def __post_init__(self) -> None:
+        sp, a = self.attempt.sampling, self.attempt
+        if not sp.needs_history:
+            return
+        if a.generated and (len(a.generated) != self.num_generated or a.generated[-1] != self.first_token.token_id):
+            raise ValueError(f"{a.key}: its generated tokens ({len(a.generated)}) disagree with num_generated "
+                             f"({self.num_generated}) or the token it decodes from")
+        if not a.generated and self.num_generated != 1:
+            raise ValueError(f"{a.key}: its sampling looks back at its tokens, so the {self.num_generated} generated "
+                             "so far must come with it (Attempt.generated)")
+        if sp.needs_prompt and a.request.prompt_len and not a.prompt_token_ids:
+            raise ValueError(f"{a.key}: its repetition penalty reads the prompt, which was left out (Attempt.stripped "
+                             "keeps it for such a request)")
+
+    def tokens_so_far(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(prompt, generated): what this request has seen when it arrives here, for its `TokenHistory` row."""
+        return self.attempt.prompt_token_ids, self.attempt.generated or (self.first_token.token_id,)
 
     @property
     def request_id(self) -> str:
@@ -91,11 +109,13 @@ class DecodeRequest:
 
     @classmethod
     def fresh(cls, key: str, layout: KVLayout, first_token: SampledToken, sampling: SamplingParams, seed: int,
-              num_generated: int = 1, **attempt) -> DecodeRequest:
+              num_generated: int = 1, prompt_token_ids: Sequence[int] = (), **attempt) -> DecodeRequest:
         """A request prefilled here (its layout holds the prompt and all but the last of `num_generated` tokens),
-        decoding on from `first_token`, the last of them: the decode side needs no more of the request.
-        `attempt`: the attempt's other fields (solo, owner, fault)."""
-        request = Request(key, (), sampling, seed, prompt_len=layout.num_tokens - num_generated + 1)
+        decoding on from `first_token`, the last of them. The decode side needs no more of the request, unless
+        its sampling looks back (`SamplingParams.needs_history`): then give the prompt's tokens when it has a
+        repetition penalty, and `generated` (all `num_generated` tokens) when there is more than one.
+        `attempt`: the attempt's other fields (generated, solo, owner, fault)."""
+        request = Request(key, tuple(prompt_token_ids), sampling, seed, prompt_len=layout.num_tokens - num_generated + 1)
         return cls(Attempt(request, key, **attempt), first_token, num_generated, layout=layout)
 
     def unpacked(self) -> KVLayout:
@@ -121,6 +141,8 @@ class _Running:
     req: DecodeRequest
     last_token: int
     num_generated: int
+    slot: int = field(default=-1)
+    """Its row in the worker's `TokenHistory` (-1: its sampling does not look back)."""
 
 
 class _Group:
@@ -129,13 +151,14 @@ class _Group:
     costs a few vector operations per step instead of Python work per request. While a group exists its
     columns, not its `_Running` objects, hold each request's last token and count (`sync` writes them back)."""
 
-    __slots__ = ("ids", "runs", "params", "seeds", "tokens", "num_generated", "max_tokens", "stops", "plain", "faults",
-                 "sampling", "index")
+    __slots__ = ("ids", "runs", "params", "seeds", "slots", "tokens", "num_generated", "max_tokens", "stops", "plain",
+                 "faults", "sampling", "index")
 
     def __init__(self, ids: list[str], runs: list[_Running], eos_ids: tuple[int, ...]) -> None:
         self.ids, self.runs = ids, runs
         self.params = [r.req.sampling for r in runs]
         self.seeds = [r.req.seed for r in runs]
+        self.slots = [r.slot for r in runs]
         self.tokens = [r.last_token for r in runs]
         self.num_generated = np.array([r.num_generated for r in runs], dtype=np.int64)
         self.max_tokens = np.array([p.max_tokens for p in self.params], dtype=np.int64)
@@ -145,12 +168,13 @@ class _Group:
         self.stops = frozenset(stops)
         """Every token that ends some row (end-of-sequence and stop ids): only rows that drew one of these, or
         reached their length, are asked `finish_reason`."""
-        self.plain = all(p.greedy and p.logprobs is None for p in self.params)
-        """Greedy without log-probabilities everywhere: a token id per row is all sampling has to give."""
+        self.plain = all(p.plain for p in self.params)
+        """Greedy on the raw logits without log-probabilities everywhere (no bias, penalty or mask either): a
+        token id per row is all sampling has to give."""
         self.faults = {r.req.fault for r in runs} - {None}
         self.sampling: SamplingBatch | None = None
         """The rows' sampling parameters as device tensors: built at the group's first sampled step (on the
-        logits' device), then only `index` changes."""
+        logits' device), then only `index` (and the rows' `TokenHistory` rows, on the device) change."""
         self.index: torch.Tensor | None = None
         """`num_generated` on the device (the index of the token each row generates), advanced beside it."""
 
@@ -196,6 +220,10 @@ class DecodeWorker:
         self.reserved: dict[str, _Reservation] = {}
         self.arrivals: deque[DecodeRequest] = deque()
         self.failures: list[Failure] = []
+        self.history: TokenHistory | None = None
+        """Token counts and recent tokens on the device, one row per running request whose sampling looks back
+        (penalties, bad words of several tokens); made, `max_running` rows, when the first such request is
+        admitted (running requests never outnumber `max_running`)."""
         self._lock = threading.Lock()  # guards `reserved` (reservations come from other threads)
         self.steps = 0
         self.tokens_out = 0
@@ -295,8 +323,7 @@ class DecodeWorker:
                 self.store.free(req.request_id)
                 self._fail(req.request_id, req.owner, f"writing its layout failed: {e}", FailureKind.LAYOUT)
                 continue
-            self._running_changed()
-            self.running[req.request_id] = _Running(req, req.first_token.token_id, req.num_generated)
+            self._start(req)
         # queued requests, in arrival order while they fit
         while self.waiting and len(self.running) < self.max_running:
             req = self.waiting[0]
@@ -304,8 +331,7 @@ class DecodeWorker:
                 break  # arrival order: nobody jumps the queue
             self.waiting.popleft()
             self.store.admit(req.request_id, req.layout, req.reserve_tokens)
-            self._running_changed()
-            self.running[req.request_id] = _Running(req, req.first_token.token_id, req.num_generated)
+            self._start(req)
         # reservations whose layout never came
         if self.reserved:
             now = time.monotonic()
@@ -316,6 +342,17 @@ class DecodeWorker:
                     self.store.free(rid)
             for rid, r in lapsed:
                 self._fail(rid, r.owner, "its layout did not arrive within the reservation lease", FailureKind.LEASE)
+
+    def _start(self, req: DecodeRequest) -> None:
+        """An admitted request joins the running set, its token history rebuilt here from its tokens so far
+        when its sampling looks back."""
+        slot = -1
+        if req.sampling.needs_history:
+            if self.history is None:
+                self.history = TokenHistory(self.max_running, self.model.cfg.vocab_size, self.model.device)
+            slot = self.history.take(req.sampling, *req.tokens_so_far())
+        self._running_changed()
+        self.running[req.request_id] = _Running(req, req.first_token.token_id, req.num_generated, slot)
 
     # the step ------------------------------------------------------------------------------------
 
@@ -372,7 +409,9 @@ class DecodeWorker:
         """These running requests stop; their memory returns at once."""
         self._running_changed()
         for rid in request_ids:
-            del self.running[rid]
+            run = self.running.pop(rid)
+            if run.slot >= 0:
+                self.history.free(run.slot)
             self.store.free(rid)
 
     def _decode(self, g: _Group, ended: list[str]) -> StepTokens:
@@ -389,7 +428,8 @@ class DecodeWorker:
                 sampled, tokens = None, greedy_tokens(logits.float())
             else:
                 if g.sampling is None:
-                    g.sampling = SamplingBatch.build(g.params, g.seeds, logits.device, logits.shape[-1])
+                    g.sampling = SamplingBatch.build(g.params, g.seeds, logits.device, logits.shape[-1], eos_ids=self.eos_ids,
+                                                     history=self.history, slots=g.slots)
                     g.index = index_column(g.num_generated.tolist(), logits.device)
                 sampled = sample_batch(logits, g.sampling, g.index)
                 tokens = [t.token_id for t in sampled]
