@@ -24,12 +24,16 @@ Unpack = Callable[[torch.Tensor], torch.Tensor] | None
 
 
 def gather_rows(segments: list[tuple[torch.Tensor, torch.Tensor]], unpack: Unpack = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate `pool[rows]` of every segment, read through `unpack`: ([batch, len, dim] values, [batch, len] validity)."""
+    """Concatenate `pool[rows]` of every segment, read through `unpack`: ([batch, len, dim] values, [batch, len] validity).
+    A missing row (-1) reads as zeros, as the kernels' masked loads do: its clamped index lands on whatever pool row 0
+    holds, and in a packed arena those bytes need not decode to finite values (e4m3 0x7f is NaN), while a zero
+    probability times NaN is NaN."""
     values, valid = [], []
     for pool, rows in segments:
         ok = rows >= 0
         got = pool[rows.clamp(min=0)]
-        values.append(got if unpack is None else unpack(got))
+        got = got if unpack is None else unpack(got)
+        values.append(got.masked_fill(~ok[..., None], 0))
         valid.append(ok)
     return torch.cat(values, dim=1), torch.cat(valid, dim=1)
 
