@@ -300,14 +300,14 @@ class PrefillWorker:
         fresh = [(p, lo) for p, lo in finished if not p.req.generated and p.req.sampling.max_tokens > 0]
         sampled = {}
         if fresh:
+            # the first token goes through the same processors as every later one: penalties see the prompt
+            # (nothing is generated yet), min_tokens counts this token as the first
             toks = sample(torch.cat([lo for _, lo in fresh]), [p.req.sampling for p, _ in fresh],
                           [p.req.seed for p, _ in fresh], [0] * len(fresh), eos_ids=self.eos_ids,
                           tokens_so_far=[(p.req.prompt_token_ids, ()) for p, _ in fresh])
             sampled = {p.req.key: t for (p, _), t in zip(fresh, toks)}
         done = []
         for p, _ in finished:
-            # the first token goes through the same processors as every later one: penalties see the prompt
-            # (nothing is generated yet), min_tokens counts this token as the first
             req = p.req
             del self.pending[req.key]
             self._release(p)
