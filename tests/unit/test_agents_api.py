@@ -10,6 +10,7 @@ a test sees both what the client got and what the workers would have been asked.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 import sys
@@ -723,3 +724,22 @@ def test_the_gateway_refuses_prompts_by_the_request_rule_itself(tok):
     assert r_long.json()["error"] == {**r_long.json()["error"], "message": str(long_.value), "param": "prompt"}
     assert r_out.json()["error"]["message"] == str(outside.value) and r_out.json()["error"]["param"] == "prompt"
     assert r_detok.json()["error"]["message"] == str(outside.value) and r_detok.json()["error"]["param"] == "tokens"
+
+
+def test_reply_markers_survive_a_tokenizer_that_marks_them_special(tok):
+    """A tokenizer may make `<think>` or the DSML marker special tokens: skipping special tokens would then
+    erase them from the text before the reply is read. The chat's detokenizer keeps them (and only them)."""
+    from api.reply import MARKERS
+
+    special = load_tokenizer(SHIPPED)
+    special.inner.add_special_tokens(["<think>", "</think>", D])
+    ids = special.encode(f"<think>hm</think>ok <{D}tool_calls>", add_special_tokens=False) + [special.token_id("<|eos|>")]
+    plain, kept = special.detokenizer(), special.detokenizer(True, MARKERS)
+    assert "".join(plain.push(i) for i in ids) == "hmok <tool_calls>"
+    assert "".join(kept.push(i) for i in ids) == f"<think>hm</think>ok <{D}tool_calls>"  # the end-of-sequence still skipped
+    fe = TextFrontend(special, f"thinking</think>{builtin_call('get_weather', {'city': 'Oslo'})}")
+    service = _service(fe, special)
+    service.model_cfg = dataclasses.replace(service.model_cfg, vocab_size=special.vocab_size)  # a model that knows the new ids
+    r = chat(service, tools=[WEATHER_TOOL], chat_template_kwargs={"thinking": True})
+    msg = r.json()["choices"][0]["message"]
+    assert msg["reasoning_content"] == "thinking" and msg["tool_calls"][0]["function"]["name"] == "get_weather"
