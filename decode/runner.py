@@ -20,6 +20,21 @@ After warm-up nothing is compiled or captured inside a step: the step that would
 bucket compiles or captures it instead (tests use that to compile at a known step).
 The step reads everything it needs from the view's buffers, which the store fills on the host
 before each step with one transfer; nothing inside it reads back from the device.
+
+A rank of an expert-parallel replica runs the same fixed-shape step, in lockstep with its peers. Before
+each step the ranks agree on the host, in one small gather (`agree`), on the bucket of every forward:
+the most rows and the widest block table any rank needs. Each rank then tells its communicator that
+every exchange is that many rows from every rank (`Comm.fix_rows`) and runs `decode_forward` over its own
+view of that bucket; a rank with fewer forwards runs the rest over padding rows only (`run_idle`). So
+every MoE exchange has the same shape on every rank and nothing in the step goes back to the host:
+- on CUDA each bucket is one CUDA graph with the exchange's NCCL all_gather and reduce_scatter inside.
+  A capture runs collectives (its warm-up forwards) and records them, so every rank must capture the same
+  buckets in the same order: the warm-up list is checked equal on all ranks when they join
+  (`join_replica`, which captures it then, with the peers), and a bucket found uncaptured is captured
+  when the step's gather says that nobody has work, by every rank at once (`StepPlan.capture`), never
+  by one rank alone (`idle_work` does nothing on a replica rank);
+- on CPU (gloo collectives cannot be captured, and `torch.compile` would not keep them) the fixed-shape
+  step runs uncompiled (`fixed_eager`).
 """
 
 from __future__ import annotations
@@ -72,7 +87,8 @@ class StepStats:
     """How a worker's decode step runs, and what compiling or capturing it cost."""
 
     mode: str
-    """`eager`, `compiled` (CPU), `cuda_graphs` or `fixed_eager` (CUDA, graphs off)."""
+    """`eager`, `compiled` (CPU), `cuda_graphs` or `fixed_eager` (the fixed-shape step uncompiled: CUDA with
+    graphs off, or a replica rank on CPU)."""
     compiles: int
     compile_s: float
     graphs: int
@@ -86,6 +102,30 @@ MIN_COMPILED_BUCKET = 2
 """Smallest rows and block-table width of a compiled CPU step: torch specialises a size of 1, so buckets of
 1 would need graphs of their own; padding them to 2 costs a row or a block of work on an overhead-bound step."""
 
+Bucket = tuple[int, int]
+"""(rows, blocks) of a fixed-shape step."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the ranks of a replica agreed on the host before a lockstep step (`StepRunner.agree`)."""
+
+    rounds: int
+    """Forwards every rank runs (0: nobody has work)."""
+    first: Bucket | None = None
+    """Fixed-shape steps: the bucket of the first forward (the batch; None for eager ranks)."""
+    rest: Bucket | None = None
+    """The bucket of every later forward (a request that decodes alone: `solo`)."""
+    capture: Bucket | None = None
+    """CUDA graphs, on a step nobody has work in: the bucket every rank captures now."""
+
+    def bucket(self, round_: int) -> Bucket | None:
+        return self.first if round_ == 0 else self.rest
+
+
+NO_BUCKET = (0, 0)
+"""What a rank sends for a forward it does not run, or a capture it does not need (every bucket is larger)."""
+
 
 class StepRunner:
     """Runs decode steps for a worker in the configured mode; see the module docstring."""
@@ -95,12 +135,10 @@ class StepRunner:
         self.cfg = cfg or StepConfig()
         asked = self.cfg.decode_mode
         wanted = "compiled" if asked == "auto" else asked
+        self.replica = not getattr(model, "shard", WHOLE).whole
+        """A rank of a replica: its fixed-shape step runs the bucket its ranks agree on, in lockstep."""
         why_eager = None
-        if not getattr(model, "shard", WHOLE).whole:
-            # a shard computes only with its replica's collectives, which a compiled or captured step leaves
-            # out (and the rank joins its replica after its worker is built): such a rank decodes eagerly
-            why_eager = "a replica rank's step holds collectives"
-        elif not hasattr(model, "decode_forward"):
+        if not hasattr(model, "decode_forward"):
             why_eager = f"{type(model).__name__} has no fixed-shape step"
         elif store.step_view([], 1) is None:
             why_eager = f"{type(store).__name__} cannot run fixed-shape steps"
@@ -110,8 +148,14 @@ class StepRunner:
         self.fixed = wanted == "compiled"
         self.cuda = self.fixed and model.device.type == "cuda"
         self.use_graphs = self.cuda and self.cfg.cuda_graphs
-        self.min_bucket = MIN_COMPILED_BUCKET if self.fixed and not self.cuda else 1
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # a CPU replica rank's step holds gloo collectives, which torch.compile would not keep: it runs uncompiled
+        self.compiled = self.fixed and not self.cuda and not self.replica
+        if self.fixed and not self.cuda and self.replica and asked == "compiled":
+            log.info("a replica rank on CPU runs its fixed-shape step uncompiled (gloo collectives cannot be compiled)")
+        self.min_bucket = MIN_COMPILED_BUCKET if self.compiled else 1
+        self.graphs: dict[Bucket, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._replayed: dict[Bucket, object] = {}
+        """Replica ranks: the collectives one replay of a bucket's graph runs (`CollectiveStats`), counted per replay."""
         self._pool = None
         self.compiles = 0
         self.compile_s = 0.0
@@ -119,15 +163,20 @@ class StepRunner:
         self._compiled = None
         self._warm = False
         """Warm-up done: from now on a step never compiles or captures."""
-        self.steps_by_bucket: dict[tuple[int, int], int] = {}
-        """Fixed-shape steps run, per bucket (rows, blocks)."""
+        self._joined = False
+        """A replica rank's runner has joined its peers (`join_replica`): its warm-up waits for that."""
+        self.steps_by_bucket: dict[Bucket, int] = {}
+        """Fixed-shape forwards run, per bucket (rows, blocks); a replica rank's padding-only ones included."""
+        self.idle_forwards = 0
+        """Replica ranks: fixed-shape forwards over padding rows only (a round this rank had nothing for)."""
         self.eager_steps = 0
         """Steps after warm-up that ran eagerly (CPU) or uncaptured (CUDA) because their bucket had no graph."""
-        self.compile_log: list[tuple[int, int]] = []
+        self.compile_log: list[Bucket] = []
         """The bucket of every step that compiled (a bucket compiles at most once)."""
-        self.pending_captures: list[tuple[int, int]] = []
-        """CUDA: buckets a step needed and found uncaptured, captured by `idle_work` (step thread)."""
-        if self.fixed and not self.cuda:
+        self.pending_captures: list[Bucket] = []
+        """CUDA: buckets a step needed and found uncaptured, captured by `idle_work` (step thread) or, on a
+        replica rank, when its peers agree to (`StepPlan.capture`)."""
+        if self.compiled:
             if self.cfg.compile_cache_dir:
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = self.cfg.compile_cache_dir  # read by Inductor when it caches
             self._compiled = torch.compile(_own_copy(_forward), fullgraph=True, dynamic=None, backend=self._backend,
@@ -137,7 +186,7 @@ class StepRunner:
     def mode(self) -> str:
         if not self.fixed:
             return "eager"
-        return "cuda_graphs" if self.use_graphs else "fixed_eager" if self.cuda else "compiled"
+        return "cuda_graphs" if self.use_graphs else "compiled" if self.compiled else "fixed_eager"
 
     def _backend(self, gm, example_inputs):
         """torch.compile's backend: counts compilations, then hands the captured graph on."""
@@ -160,22 +209,45 @@ class StepRunner:
         top = context_blocks(tokens, self.store.geo.block_tokens)
         return [1 << i for i in range(top.bit_length())]
 
+    def warmup_buckets(self) -> list[Bucket]:
+        """The buckets captured before serving (CUDA graphs), in capture order."""
+        if not (self.use_graphs and self.cfg.warmup):
+            return []
+        return [(rows, blocks) for rows in batch_buckets(self.max_running)
+                for blocks in self.context_buckets(self.cfg.capture_context_tokens)]
+
     def warmup(self) -> None:
-        """Compile (CPU) or capture (CUDA) ahead of the first request, on padding rows only."""
-        if not (self.fixed and self.cfg.warmup):
+        """Compile (CPU) or capture (CUDA) ahead of the first request, on padding rows only. A replica rank
+        captures with its peers, so only once it has joined them (`join_replica`)."""
+        if not (self.fixed and self.cfg.warmup) or (self.replica and not self._joined):
             return
         if self.use_graphs:
-            for rows in batch_buckets(self.max_running):
-                for blocks in self.context_buckets(self.cfg.capture_context_tokens):
-                    self._capture((rows, blocks))
+            for bucket in self.warmup_buckets():
+                self._capture(bucket)
             log.info("captured %d decode graphs in %.1fs", len(self.graphs), self.capture_s)
-        elif not self.cuda:  # one graph, symbolic in rows and blocks, serves every bucket
+        elif self.compiled:  # one graph, symbolic in rows and blocks, serves every bucket
             b = self.min_bucket
             self._run_compiled(self.store.step_view([], b, num_blocks=b))
             log.info("compiled the decode step in %.1fs", self.compile_s)
         self._warm = True
 
-    def _capture(self, bucket: tuple[int, int]) -> None:
+    def join_replica(self) -> None:
+        """On every rank of the replica at once, once the model is attached to it (`model.comm`): check that
+        all ranks step alike (one running exchanges sized inside the forward and another with agreed rows
+        would wait on each other for ever; graphs captured in another order would pair other collectives),
+        then warm up, capturing with the peers."""
+        comm = self.model.comm
+        mine = [int(self.fixed), int(self.use_graphs), self.max_running, len(self.warmup_buckets()),
+                hash(tuple(self.warmup_buckets()))]  # a hash of ints is the same in every process
+        every = comm.gather_ints(mine)
+        if any(row != every[0] for row in every):
+            raise ValueError(f"the ranks of this replica would run their decode steps differently (per rank: fixed-shape, "
+                             f"graphs, max_running, warm-up captures, their hash): {every}; give every rank the same "
+                             f"decode settings")
+        self._joined = True
+        self.warmup()
+
+    def _capture(self, bucket: Bucket) -> None:
         t0 = time.perf_counter()
         rows, blocks = bucket
         view = self.store.step_view([], rows, num_blocks=blocks)  # padding only: the warm-up writes scratch
@@ -183,20 +255,27 @@ class StepRunner:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                for _ in range(2):  # kernels compile and autotune outside the capture
-                    _forward(self.model, view)
+                for _ in range(2):  # kernels compile and autotune outside the capture (a replica's exchanges run)
+                    self._forward(view)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
+            stats = self.model.comm.stats if self.replica else None
+            before = stats.copy() if stats is not None else None
             # thread_local: what other threads of the process do (Ray's, the event loop's) cannot invalidate it
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                out = _forward(self.model, view)
+                out = self._forward(view)
+        if stats is not None:  # the capture recorded its exchanges without running them; each replay runs them
+            self._replayed[bucket] = stats.since(before)
+            stats.restore(before)
         self._pool = self._pool or graph.pool()
         self.graphs[bucket] = (graph, out)
         self.capture_s += time.perf_counter() - t0
 
     def idle_work(self) -> bool:
         """Work for a step thread with nothing to decode: capture one bucket a step found uncaptured (CUDA).
-        True if it did something."""
+        True if it did something. Never on a replica rank: its peers capture together (`capture_agreed`)."""
+        if self.replica:
+            return False
         while self.pending_captures:
             bucket = self.pending_captures.pop(0)
             if bucket in self.graphs:
@@ -206,7 +285,61 @@ class StepRunner:
             return True
         return False
 
+    # lockstep (replica ranks) --------------------------------------------------------------------
+
+    def need(self, groups: list[list[str]]) -> Bucket:
+        """The smallest bucket that holds every one of these forwards (each a list of request ids)."""
+        if not groups:
+            return NO_BUCKET
+        rows = max(max(self.min_bucket, batch_bucket(len(ids), self.max_running)) for ids in groups)
+        return rows, max(max(self.min_bucket, self.store.bucket_blocks(ids)) for ids in groups)
+
+    def agree(self, groups: list[list[str]]) -> StepPlan:
+        """The step every rank of the replica runs, given this rank's forwards (request ids each): one gather
+        over the metadata group, on the host, before the step. Eager ranks agree on the number of forwards
+        only (each forward sizes its exchanges itself); fixed-shape ranks also on the bucket of each forward:
+        for every entry, the largest any rank needs, so all exchanges are alike. The first forward and the
+        later ones (solo requests, one row each) get buckets of their own, so a solo request does not pad
+        to the batch."""
+        comm = self.model.comm
+        if not self.fixed:
+            return StepPlan(comm.rounds(len(groups)))
+        proposal = self.pending_captures[0] if self.pending_captures else NO_BUCKET
+        every = comm.gather_ints([len(groups), *self.need(groups[:1]), *self.need(groups[1:]), *proposal])
+        rounds = max(row[0] for row in every)
+        if rounds == 0:  # nobody has work: the time to capture what some step found uncaptured
+            capture = max(tuple(row[5:7]) for row in every)
+            return StepPlan(0, capture=capture if capture != NO_BUCKET else None)
+        first = (max(row[1] for row in every), max(row[2] for row in every))
+        rest = (max(row[3] for row in every), max(row[4] for row in every)) if rounds > 1 else None
+        return StepPlan(rounds, first, rest)
+
+    def capture_agreed(self, bucket: Bucket) -> None:
+        """Capture `bucket` now, as every rank of the replica does (`StepPlan.capture`): even a rank that
+        holds it captures it again, so that every rank's warm-up forwards meet the others' exchanges."""
+        if bucket in self.pending_captures:
+            self.pending_captures.remove(bucket)
+        log.info("capturing the decode graph of bucket %s with the replica's other ranks", bucket)
+        self._capture(bucket)
+
+    def run_idle(self, bucket: Bucket | None) -> None:
+        """A lockstep round this rank has nothing for: an eager rank's `idle_forward` (zero rows through every
+        exchange), or the agreed bucket's fixed-shape forward over padding rows only (which write scratch)."""
+        if not self.fixed:
+            self.model.idle_forward()
+            return
+        rows, blocks = bucket
+        self.idle_forwards += 1
+        self._fixed(self.store.step_view([], rows, num_blocks=blocks), lambda: self.store.step_view([], rows, num_blocks=blocks))
+
     # the step ------------------------------------------------------------------------------------
+
+    def _forward(self, view) -> torch.Tensor:
+        """One fixed-shape forward that runs Python (eager, uncaptured, or being captured); a replica rank's
+        exchanges are the bucket's rows from every rank."""
+        if self.replica:
+            self.model.comm.fix_rows(view.bucket[0])
+        return _forward(self.model, view)
 
     def _run_compiled(self, view) -> torch.Tensor:
         # rows and blocks symbolic from the first compile: one graph serves every bucket (sizes of 1 are padded)
@@ -236,39 +369,57 @@ class StepRunner:
             self.compile_log.append(view.bucket)
         return out
 
-    def run(self, request_ids: list[str], tokens: list[int], before_forward: Callable[[], None] | None = None) -> torch.Tensor:
+    def _fixed(self, view, reload: Callable[[], object]) -> torch.Tensor:
+        """The fixed-shape forward over `view` -> its output [rows, vocab] (a graph's own buffer when replayed).
+        `reload()` loads the view again after a capture (which filled it with padding)."""
+        bucket = view.bucket
+        self.steps_by_bucket[bucket] = self.steps_by_bucket.get(bucket, 0) + 1
+        if self.use_graphs:
+            if bucket not in self.graphs and not self._warm:
+                log.info("capturing the decode graph of bucket %s", bucket)
+                self._capture(bucket)
+                view = reload()
+            if bucket in self.graphs:
+                graph, out = self.graphs[bucket]
+                graph.replay()
+                if bucket in self._replayed:
+                    self.model.comm.stats.merge(self._replayed[bucket])
+                return out
+            # uncaptured (the same kernels) until the worker is idle: never a capture inside a step
+            if bucket not in self.pending_captures:
+                self.pending_captures.append(bucket)
+            self.eager_steps += 1
+        elif self.compiled:
+            return self._run_compiled(view)
+        with torch.inference_mode():
+            return self._forward(view)
+
+    def run(self, request_ids: list[str], tokens: list[int], before_forward: Callable[[], None] | None = None,
+            bucket: Bucket | None = None) -> torch.Tensor:
         """Decode one token for each request (its last token in `tokens`) -> logits [requests, vocab].
-        `before_forward()`, if given, runs once the step's inputs are ready, right before the forward."""
+        `before_forward()`, if given, runs once the step's inputs are ready, right before the forward.
+        `bucket`: the bucket the replica's ranks agreed on for this forward (`agree`; replica ranks only)."""
         if not self.fixed:
             batch = self.store.batch(request_ids)
             if before_forward is not None:
                 before_forward()
             return self.model.decode_step(batch, tokens)
         n = len(request_ids)
-        rows = max(self.min_bucket, batch_bucket(n, self.max_running))
-        view = self.store.step_view(request_ids, rows, tokens=tokens, min_blocks=self.min_bucket)
+        if bucket is not None:
+            view = self.store.step_view(request_ids, bucket[0], num_blocks=bucket[1], tokens=tokens)
+        elif self.replica:
+            raise ValueError("a replica rank's fixed-shape step runs the bucket its ranks agreed on (`agree`)")
+        else:
+            rows = max(self.min_bucket, batch_bucket(n, self.max_running))
+            view = self.store.step_view(request_ids, rows, tokens=tokens, min_blocks=self.min_bucket)
+        rows, blocks = view.bucket
+
+        def load():
+            return self.store.step_view(request_ids, rows, num_blocks=blocks, tokens=tokens)
+
         if before_forward is not None:
             before_forward()
-        self.steps_by_bucket[view.bucket] = self.steps_by_bucket.get(view.bucket, 0) + 1
-        if self.use_graphs:
-            if view.bucket not in self.graphs and not self._warm:
-                log.info("capturing the decode graph of bucket %s", view.bucket)
-                self._capture(view.bucket)
-                view = self.store.step_view(request_ids, rows, tokens=tokens)  # the capture loaded padding
-            if view.bucket in self.graphs:
-                graph, out = self.graphs[view.bucket]
-                graph.replay()
-            else:  # uncaptured (the same kernels) until the worker is idle: never a capture inside a step
-                if view.bucket not in self.pending_captures:
-                    self.pending_captures.append(view.bucket)
-                self.eager_steps += 1
-                with torch.inference_mode():
-                    out = _forward(self.model, view)
-        elif self.cuda:
-            with torch.inference_mode():
-                out = _forward(self.model, view)
-        else:
-            out = self._run_compiled(view)
+        out = self._fixed(view, load)
         logits = out[:n].clone()  # a graph's output is overwritten by its next replay
         view.advance()
         return logits

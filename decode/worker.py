@@ -358,10 +358,13 @@ class DecodeWorker:
 
     def join_replica(self) -> None:
         """Step in lockstep with the other ranks of the model's replica from now on (`model.comm`, expert
-        parallel): every step, the ranks agree on how many forwards the busiest of them runs, and a rank
-        with fewer runs idle forwards for the rest, so every MoE exchange finds all ranks."""
+        parallel; every rank calls this at once, and a CUDA rank captures its warm-up graphs with the others
+        here): every step, the ranks agree on how many forwards the busiest runs, and a rank with fewer runs
+        idle forwards for the rest, so every MoE exchange finds all ranks. Fixed-shape ranks also agree on
+        each forward's bucket, so that every exchange is the same size on every rank (`StepRunner.agree`)."""
         if self.model.comm is None or self.model.comm.ep == 1:
             raise ValueError("lockstep needs a model attached to an expert-parallel replica")
+        self.runner.join_replica()
         self.lockstep = True
 
     def step(self) -> Sequence[TokenEvent]:
@@ -371,19 +374,22 @@ class DecodeWorker:
         if self._groups is None:
             self._groups = self._regroup()
         groups = self._groups
-        rounds = len(groups)
-        if self.lockstep:
-            self.last_rounds = rounds = self.model.comm.rounds(len(groups))
+        rounds, plan = len(groups), None
+        if self.lockstep:  # one gather: every rank's forwards (and, fixed-shape, their buckets)
+            plan = self.runner.agree([g.ids for g in groups])
+            self.last_rounds = rounds = plan.rounds
         if not self.running:
-            for _ in range(rounds):
-                self.model.idle_forward()
+            for r in range(rounds):
+                self.runner.run_idle(plan.bucket(r))
+            if plan is not None and plan.capture is not None:  # nobody has work: every rank captures it now
+                self.runner.capture_agreed(plan.capture)
             if not self.lockstep or rounds:
                 self._check_if_idle()
             return []
         ended: list[str] = []
-        outputs = [self._decode(g, ended) for g in groups]
-        for _ in range(rounds - len(groups)):
-            self.model.idle_forward()
+        outputs = [self._decode(g, ended, plan.bucket(r) if plan is not None else None) for r, g in enumerate(groups)]
+        for r in range(len(groups), rounds):
+            self.runner.run_idle(plan.bucket(r))
         if ended:
             self._leave(ended)
         self.steps += 1
@@ -414,8 +420,9 @@ class DecodeWorker:
                 self.history.free(run.slot)
             self.store.free(rid)
 
-    def _decode(self, g: _Group, ended: list[str]) -> StepTokens:
-        """One forward over a group; the ids of rows that finished (or failed) are added to `ended`."""
+    def _decode(self, g: _Group, ended: list[str], bucket: tuple[int, int] | None = None) -> StepTokens:
+        """One forward over a group (in `bucket`, when the replica's ranks agreed on one); the ids of rows that
+        finished (or failed) are added to `ended`."""
         def launch() -> None:  # once the step's inputs are built, right before its forward
             if self.before_forward is not None:
                 self.before_forward()
@@ -423,7 +430,7 @@ class DecodeWorker:
                 self._inject_faults(g.faults)  # a fault stands for a forward that hangs or fails
 
         try:
-            logits = self.runner.run(g.ids, g.tokens, launch)
+            logits = self.runner.run(g.ids, g.tokens, launch, bucket)
             if g.plain:
                 sampled, tokens = None, greedy_tokens(logits.float())
             else:

@@ -29,7 +29,7 @@ TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=4 * 2**
 
 @pytest.fixture(scope="module")
 def gw(tiny_dir):
-    # decode_mode compiled is asked for: a rank of an expert-parallel replica must decode eagerly instead
+    # decode_mode compiled is asked for: a CPU rank of an expert-parallel replica runs the fixed-shape step uncompiled
     cfg = ServeConfig(model="tiny", tier=TIER, prefill=PrefillConfig(max_batch_tokens=256), step=StepConfig(decode_mode="compiled"),
                       cluster=ClusterConfig(placement="any", num_prefill=1, num_decode=1, prefill_layout="dp2+ep2",
                                             decode_layout="dp2+ep2", max_restarts=2),
@@ -80,7 +80,7 @@ def test_replica_serves_http_like_one_process(gw, tiny_model):
     port = gw.service.config.server.port
     assert sorted(stats) == [f"e2e{port}-decode-0-r0", f"e2e{port}-decode-0-r1"]
     assert all(s.handoffs > 0 for s in stats.values()), f"the router used one decode rank only: {stats}"
-    assert all(s.step.mode == "eager" for s in stats.values())  # a captured step would miss the exchanges
+    assert all(s.step.mode == "fixed_eager" for s in stats.values())  # gloo exchanges cannot be compiled
     sent = [ray.get(m.handle.stats.remote(), timeout=60).handoffs for m in gw.service.frontend.prefill]
     assert len(sent) == 2 and all(n > 0 for n in sent), f"the router used one prefill rank only: {sent}"
 

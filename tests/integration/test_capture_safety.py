@@ -11,11 +11,14 @@ Cases: both KV formats, the tier on (a hot buffer as small as top-k, so resolve 
 packed (FP8 / FP4) weights, fp32 and bf16 models: every pair of those values in five cases rather than all
 sixteen combinations (each choice has its own code; the pairs cover where two of them meet). And one rank of
 an attention-TP + expert-parallel replica, whose collectives are stand-ins of the same shapes: with the
-rows agreed before the step (`Comm.fix_rows`) it gathers nothing inside it.
+rows agreed before the step (`Comm.fix_rows`) it gathers nothing inside it, both as the bare forward and as
+the step a replica rank's worker runs (`StepRunner.agree` on the host, then `StepRunner.run` in the agreed
+bucket: what a CUDA rank captures whole).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 
@@ -25,8 +28,8 @@ import torch
 from cachetier.store import TieredStore
 from core.config import CSA, HASH_MOE, HCA, MOE
 from core.parallel import WHOLE, ParallelLayout
-from core.roles import TierConfig
-from decode.runner import _forward
+from core.roles import StepConfig, TierConfig
+from decode.runner import StepRunner, _forward
 from kernels import formats, kv_format
 from kernels.capture_guard import HOST_DATA, CaptureUnsafe, capture_guard, fake_cuda
 from model.builtin import random_init
@@ -111,8 +114,10 @@ def _layouts(fmt: str, dtype: torch.dtype) -> list:
     return _LAYOUTS[(fmt, dtype)]
 
 
-def _step(fake, fmt: str, offload: bool, packed: bool, dtype: torch.dtype, shard=WHOLE, comm_of=None, fix=True):
-    """Build the model and store on fake CUDA, admit the prompts, run one fixed-shape step under the guard."""
+def _step(fake, fmt: str, offload: bool, packed: bool, dtype: torch.dtype, shard=WHOLE, comm_of=None, fix=True,
+          runner: bool = False):
+    """Build the model and store on fake CUDA, admit the prompts, run one fixed-shape step under the guard
+    (`runner`: the step as a replica rank's worker runs it, through its `StepRunner`)."""
     model = copy.deepcopy(_real_model(dtype, shard, packed)).set_kv_format(fmt)
     cfg = model.cfg
     with fake:
@@ -125,6 +130,10 @@ def _step(fake, fmt: str, offload: bool, packed: bool, dtype: torch.dtype, shard
         for i, lay in enumerate(_layouts(fmt, dtype)):
             store.admit(f"r{i}", lay, lay.num_tokens + 8)
             ids.append(f"r{i}")
+        if runner:
+            logits = _runner_step(model, store, ids)
+            assert logits.shape == (len(ids), cfg.vocab_size) and logits.device.type == "cuda"
+            return store
         view = store.step_view(ids, ROWS, num_blocks=BLOCKS, tokens=[3, 5])
         assert store.arena.device.type == "cuda" and view.token_ids.device.type == "cuda"
         if comm is not None and fix:
@@ -135,12 +144,33 @@ def _step(fake, fmt: str, offload: bool, packed: bool, dtype: torch.dtype, shard
     return store
 
 
+def _runner_step(model, store, ids):
+    """A replica rank's step as its worker runs it: the agreement on the host (the stand-in gathers), then
+    the runner's step in the agreed bucket, guarded from the moment its inputs are loaded (`before_forward`)
+    until it returns (the forward, and the copy of the real rows' logits out of the graph's buffer). The
+    graph is off (fake CUDA cannot capture); a captured step replays what this runs."""
+    runner = StepRunner(model, store, max_running=ROWS, cfg=StepConfig(cuda_graphs=False))
+    assert runner.mode == "fixed_eager" and runner.replica
+    runner.join_replica()
+    plan = runner.agree([ids])
+    assert plan.rounds == 1 and plan.first == runner.need([ids])
+    with pytest.raises(ValueError, match="agreed"):
+        runner.run(ids, [3, 5])  # a replica rank never sizes its step alone
+    # the peers' need is larger (4 rows, a table wide enough for the indexer's full top-k path): theirs is agreed
+    bucket = (max(plan.first[0], ROWS), max(plan.first[1], BLOCKS))
+    with contextlib.ExitStack() as guard, torch.inference_mode():
+        logits = runner.run(ids, [3, 5], lambda: guard.enter_context(capture_guard("cuda")), bucket=bucket)
+    assert model.comm._counts == [ROWS] * LAYOUT.world, "the exchanges were not sized by the agreed rows"
+    assert runner.steps_by_bucket == {bucket: 1}
+    return logits
+
+
 @pytest.mark.parametrize("fmt, offload, packed, dtype", CASES,
                          ids=[f"{f}-tier_{'on' if o else 'off'}-{'packed' if p else 'dense'}-{str(d)[6:]}" for f, o, p, d in CASES])
 def test_fixed_shape_step_holds_nothing_a_graph_cannot(fake, fmt, offload, packed, dtype):
     store = _step(fake, fmt, offload, packed, dtype)
     if offload:  # the tier's kernels ran over the host pool's device view, not the host tensor
-        assert store.host.on("cuda").device.type == "cuda"
+        assert store.hot.host.on("cuda").device.type == "cuda"
 
 
 def _host_e2m1_table(device=None) -> torch.Tensor:
@@ -180,6 +210,9 @@ class _MirrorComm(Comm):
     def gather(self, value: int) -> list[int]:
         return torch.tensor([value], dtype=torch.long).repeat(self.layout.world).tolist()
 
+    def gather_ints(self, values) -> list[list[int]]:
+        return torch.tensor(list(values), dtype=torch.long).repeat(self.layout.world, 1).tolist()
+
 
 def _attach_mirror(model):
     comm = _MirrorComm(LAYOUT, 0, torch.device("cuda"))
@@ -191,7 +224,57 @@ def test_replica_rank_step_with_agreed_rows_holds_nothing_a_graph_cannot(fake):
     _step(fake, "v4", True, True, torch.bfloat16, shard=LAYOUT.shard(0), comm_of=_attach_mirror)
 
 
+def test_replica_rank_worker_step_holds_nothing_a_graph_cannot(fake):
+    _step(fake, "v4", True, True, torch.bfloat16, shard=LAYOUT.shard(0), comm_of=_attach_mirror, runner=True)
+
+
 def test_replica_rank_step_that_gathers_row_counts_is_refused(fake):
     with pytest.raises(CaptureUnsafe) as err:
         _step(fake, "v4", True, False, torch.float32, shard=LAYOUT.shard(0), comm_of=_attach_mirror, fix=False)
     assert any(v.kind == HOST_DATA and any("in begin_forward" in w for w in v.where) for v in err.value.violations)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_replica_rank_step_replays_what_it_computes_uncaptured(tiny_dir):
+    """On a real GPU: a replica rank's step captured whole (the stand-in exchanges inside the graph) replays
+    the logits its uncaptured fixed-shape step computes, and each replay counts the exchanges it ran."""
+    from model.loader import load_model
+
+    layout = ParallelLayout(dp=2, expert_parallel=True)
+    tier = TierConfig(offload=True, hot_buffer_slots=16, reserved_slots=2, device_budget_bytes=8 * 2**20,
+                      host_pool_bytes=8 * 2**20)
+    g = torch.Generator().manual_seed(SEED)
+    prompts = [torch.randint(6, 4000, (n,), generator=g).tolist() for n in (60, 130)]
+    sides = {}
+    for graphs in (True, False):
+        model = load_model(tiny_dir, shard=layout.shard(0), device="cuda")
+        comm = _MirrorComm(layout, 0, torch.device("cuda"))
+        model.attach(comm)
+        store = TieredStore(model.cfg, tier, dtype=model.dtype, device="cuda")
+        runner = StepRunner(model, store, max_running=4, cfg=StepConfig(cuda_graphs=graphs, capture_context_tokens=512))
+        runner.join_replica()  # captures the warm-up buckets (graphs) with the stand-in peers
+        with torch.inference_mode():
+            logits, layouts = model.prefill_batch([(p, None) for p in prompts], last_only=True)
+        for i, lay in enumerate(layouts):
+            store.admit(f"r{i}", lay, lay.num_tokens + 16)
+        sides[graphs] = (model, comm, runner, [int(lg[-1].argmax()) for lg in logits])
+    assert sides[True][2].mode == "cuda_graphs" and sides[False][2].mode == "fixed_eager"
+    layers = sides[True][0].cfg.num_layers
+    tokens = sides[False][3]
+    ids = ["r0", "r1"]
+    for _ in range(6):
+        out = {}
+        for graphs, (_, comm, runner, _) in sides.items():
+            plan = runner.agree([ids])
+            before = comm.stats.calls.get("ep_all_gather", 0)
+            with torch.inference_mode():
+                out[graphs] = runner.run(ids, tokens, bucket=plan.first)
+            assert comm.stats.calls["ep_all_gather"] - before == layers
+        assert torch.allclose(out[True], out[False], atol=1e-5, rtol=0), f"{(out[True] - out[False]).abs().max()}"
+        tokens = out[False].argmax(-1).tolist()
+    captured = sides[True][2]
+    assert captured.graphs and captured.eager_steps == 0
+    before = sides[True][1].stats.calls["ep_all_gather"]
+    captured.run_idle((4, 1))  # a round this rank has nothing for: the bucket's graph over padding rows
+    assert captured.idle_forwards == 1 and sides[True][1].stats.calls["ep_all_gather"] - before == layers

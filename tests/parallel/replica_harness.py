@@ -1,16 +1,20 @@
-"""Runs one workload on a replica of real processes (gloo, one thread each) and in one process, for the
+"""Runs workloads on a replica of real processes (gloo, one thread each) and in one process, for the
 parallel tests to compare.
 
-The workload: every DP group gets its own prompts (uneven counts; a group may get none), prefills them
-in one forward, then decodes greedily through a tiered store whose hot buffer is small enough to miss.
-Requests stop at different steps, so ranks run uneven rows and, near the end, zero rows (an idle forward).
-Each rank records per request the prefill logits of the last token, every decode step's logits and
-token, and every router and indexer top-k selection it made; the reference runs each DP group's exact
-schedule with the whole model in one process and records the same.
+The model-level workload (`run_replica`): every DP group gets its own prompts (uneven counts; a group may
+get none), prefills them in one forward, then decodes greedily through a tiered store whose hot buffer is
+small enough to miss. Requests stop at different steps, so ranks run uneven rows and, near the end, zero
+rows (an idle forward). Each rank records per request the prefill logits of the last token, every decode
+step's logits and token, and every router and indexer top-k selection it made; the reference runs each DP
+group's exact schedule with the whole model in one process and records the same.
+
+The worker-level workload (`run_worker_replica`, below): the same comparison through decode workers
+stepping in lockstep, as a served decode replica does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -18,7 +22,8 @@ import torch
 
 from cachetier.store import TieredStore
 from core.parallel import ParallelLayout
-from core.roles import TierConfig
+from core.roles import StepConfig, TierConfig
+from core.types import SampledToken, SamplingParams
 
 DECODE_STEPS = 18
 
@@ -115,7 +120,7 @@ def run_group(model, prompts: list[list[int]], steps: list[int], idle=None, sync
                     out["logits"][i].append(logits[row].clone())
                     out["tokens"][i].append(int(logits[row].argmax()))
         store.check_integrity()
-        out["misses"] = int(store.counters[:, 1].sum()) if store.counters.numel() else 0
+        out["misses"] = int(store.hot.counters[:, 1].sum()) if store.hot is not None else 0
     finally:
         rec.close()
         store.close()
@@ -164,3 +169,135 @@ def run_reference(model, layout_text: str, lengths, seed: int) -> list[dict]:
     prompt_lists = prompts_for(layout, model.cfg.vocab_size, lengths, seed)
     steps = steps_for(prompt_lists)
     return [run_group(model, ps, st) for ps, st in zip(prompt_lists, steps)]
+
+
+# --- decode workers in lockstep ---------------------------------------------------------------------------
+#
+# The serving path of a decode replica: every rank a `DecodeWorker` joined to its replica (`join_replica`),
+# stepping in lockstep (`DecodeWorker.step`: the step's agreement, the forwards, padding-only or idle ones for
+# the rounds a rank has nothing for). Requests arrive at given steps, so ranks have work at different times
+# (a rank runs steps with none) and need different buckets (rows and context), and a `solo` request makes a
+# second forward in some steps. The reference runs each rank's schedule with the whole model in one process.
+
+WORKER_STEPS = 24
+WORKER_TIER = {"block_tokens": 64}  # small blocks: prompts of a few hundred tokens span several context buckets
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    """A request of the worker schedule: its prompt length, when it is submitted, how many tokens it makes."""
+
+    prompt: int
+    step: int
+    max_tokens: int
+    solo: bool = False
+
+
+def worker_tier(cfg) -> TierConfig:
+    return dataclasses.replace(tier(cfg), max_running=4, **WORKER_TIER)
+
+
+def worker_prompts(vocab: int, schedule: list[list[Arrival]], seed: int) -> list[list[list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randint(6, vocab, (a.prompt,), generator=g).tolist() for a in group] for group in schedule]
+
+
+def run_workers(model, schedule: list[Arrival], prompts: list[list[int]], step_cfg: StepConfig, join=None) -> dict:
+    """One DP group's schedule through a `DecodeWorker` on `model` (whole, or a rank's shard attached to its
+    replica: `join()` then runs on every rank at once, before the first step). Greedy; records each
+    request's tokens (the prefill's first), and the step runner's mode and buckets."""
+    from decode.worker import DecodeRequest, DecodeWorker
+
+    cfg = model.cfg
+    store = TieredStore(cfg, worker_tier(cfg), dtype=model.dtype, device=model.device)
+    worker = DecodeWorker(model, store, max_running=store.tier.max_running, step_config=step_cfg)
+    plans = []  # per step: (the bucket this rank's own forwards need, the agreed plan)
+    if join is not None:
+        agree = worker.runner.agree
+
+        def recording(groups):
+            plan = agree(groups)
+            plans.append((worker.runner.need(groups[:1]), plan))
+            return plan
+
+        worker.runner.agree = recording
+    try:
+        if join is not None:
+            join(worker)
+        with torch.inference_mode():  # every rank prefills at once (a rank without prompts joins the exchanges)
+            if prompts:
+                logits, layouts = model.prefill_batch([(p, None) for p in prompts], last_only=True)
+            else:
+                logits, layouts = [], []
+                model.idle_forward()
+        tokens = {f"q{i}": [int(lg[-1].argmax())] for i, lg in enumerate(logits)}
+        arrivals: dict[int, list] = {}
+        for i, (a, lay) in enumerate(zip(schedule, layouts)):
+            sp = SamplingParams(max_tokens=a.max_tokens, ignore_eos=True)
+            req = DecodeRequest.fresh(f"q{i}", lay, SampledToken(tokens[f"q{i}"][0]), sp, 1000 + i, solo=a.solo)
+            arrivals.setdefault(a.step, []).append(req)
+        busy = []  # per step: did this rank decode anything
+        for step in range(WORKER_STEPS):
+            for req in arrivals.pop(step, []):
+                worker.submit(req)
+            events = worker.step()
+            busy.append(len(events) > 0)
+            for ev in events:
+                tokens[ev.request_id].append(ev.token.token_id)
+        worker.check_integrity()
+        runner = worker.runner
+        return {"tokens": tokens, "mode": runner.mode, "steps_by_bucket": dict(runner.steps_by_bucket), "busy": busy,
+                "idle_forwards": runner.idle_forwards, "steps": worker.steps, "left": len(worker.running) + len(worker.waiting),
+                "plans": [(need, plan.rounds, plan.first, plan.rest, plan.capture) for need, plan in plans],
+                "graphs": sorted(runner.graphs), "uncaptured": runner.eager_steps, "pending": list(runner.pending_captures)}
+    finally:
+        worker.close()
+
+
+def worker_rank_main(rank: int, layout_text: str, port: int, model_dir: str, out_dir: str, schedule, seed: int,
+                     decode_mode: str | list[str], device_kind: str = "cpu", step_kw: dict | None = None) -> None:
+    """The body of one rank's process for the worker schedule (`torch.multiprocessing.spawn` calls it);
+    `decode_mode` per rank when a list; `step_kw`: more `StepConfig` fields."""
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from model.loader import load_model
+    from model.parallel import Comm
+
+    layout = ParallelLayout.parse(layout_text)
+    device = torch.device(f"cuda:{rank}" if device_kind == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    comm = Comm.open(layout, rank, f"tcp://127.0.0.1:{port}", device=device, timeout_s=120)
+    try:
+        model = load_model(model_dir, shard=comm.shard, device=device).attach(comm)
+        dp_rank, _ = layout.coords(rank)
+        prompts = worker_prompts(model.cfg.vocab_size, schedule, seed)[dp_rank]
+
+        def join(worker) -> None:
+            worker.join_replica()
+            comm.stats.reset()
+
+        mode = decode_mode[rank] if isinstance(decode_mode, list) else decode_mode
+        result = run_workers(model, schedule[dp_rank], prompts, StepConfig(decode_mode=mode, **(step_kw or {})), join=join)
+        result["stats"] = comm.stats.to_dict()
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        comm.close()
+
+
+def run_worker_replica(layout_text: str, model_dir: str, out_dir: str, schedule, seed: int, decode_mode: str | list[str],
+                       device_kind: str = "cpu", step_kw: dict | None = None) -> list[dict]:
+    import torch.multiprocessing as mp
+
+    from model.parallel import free_port
+
+    layout = ParallelLayout.parse(layout_text)
+    mp.spawn(worker_rank_main, args=(layout_text, free_port(), model_dir, out_dir, schedule, seed, decode_mode, device_kind,
+                                     step_kw), nprocs=layout.world)
+    return [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(layout.world)]
+
+
+def run_worker_reference(model, schedule, seed: int) -> list[dict]:
+    """Each DP group's worker schedule with the whole model in this process, decoding eagerly."""
+    prompts = worker_prompts(model.cfg.vocab_size, schedule, seed)
+    return [run_workers(model, group, ps, StepConfig(decode_mode="eager")) for group, ps in zip(schedule, prompts)]
