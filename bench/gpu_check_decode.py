@@ -238,7 +238,7 @@ def _device_state(store: TieredStore) -> list[torch.Tensor]:
     out = []
     for v in vars(store).values():
         out += [t for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)]
-    return out + ([store.host.kv] if store.host is not None else [])
+    return out + ([store.hot.host.kv] if store.hot is not None else [])
 
 
 def _restorer(store: TieredStore, device: str):

@@ -27,7 +27,7 @@ from kernels.host_write_triton import write_rows_triton
 from kernels.kv_format import MainRowReader, pack_fp8_rows
 from kernels.prefill_attention_ref import prefill_attention_ref
 from kernels.prefill_attention_triton import prefill_attention_triton
-from kernels.resolve_ref import resolve_ref
+from kernels.resolve_ref import HotState, resolve_ref
 from kernels.resolve_triton import resolve_triton
 
 REL_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
@@ -149,11 +149,11 @@ def _resolve(ctx: Ctx) -> dict:
         rows = torch.where(ids >= 0, books[:, None] * entries + ids, -1)
         args = [ids, rows, rows, books, books * (lru + reserved)]
         before = ref["counters"].clone()
-        want = resolve_ref(*args, ref["entry_map"], ref["kv"], ref["entry_row"], ref["stamp"], host_cpu, torch.tensor(step),
-                           ref["counters"])
+        want = resolve_ref(*args, ref["kv"], HotState(ref["entry_map"], ref["entry_row"], ref["stamp"], host_cpu,
+                                                      torch.tensor(step), ref["counters"]))
         dargs = [a.to(ctx.device) for a in args]
-        call = partial(resolve_triton, *dargs, dev["entry_map"], dev["kv"], dev["entry_row"], dev["stamp"], host_dev,
-                       torch.tensor(step, device=ctx.device), dev["counters"])
+        call = partial(resolve_triton, *dargs, dev["kv"], HotState(dev["entry_map"], dev["entry_row"], dev["stamp"], host_dev,
+                                                                   torch.tensor(step, device=ctx.device), dev["counters"]))
         got, ms = timed(call, ctx.device)
         times.append(round(ms, 4))
         same = same and torch.equal(got.cpu(), want) and _same_state(ref, dev, batch * (lru + reserved) * dim)
@@ -171,8 +171,8 @@ def _warm_resolve(batch: int, k: int, lru: int, reserved: int, dim: int, entries
     st = _hot_state(batch, lru, reserved, dim, entries, device)
     ids = torch.arange(k).expand(batch, k).contiguous()
     rows = (books[:, None] * entries + ids).to(device)
-    resolve_triton(ids.to(device), rows, rows, books.to(device), (books * (lru + reserved)).to(device), st["entry_map"], st["kv"],
-                   st["entry_row"], st["stamp"], host, torch.tensor(1, device=device), st["counters"])
+    resolve_triton(ids.to(device), rows, rows, books.to(device), (books * (lru + reserved)).to(device), st["kv"],
+                   HotState(st["entry_map"], st["entry_row"], st["stamp"], host, torch.tensor(1, device=device), st["counters"]))
     synchronize(device)
 
 

@@ -53,7 +53,7 @@ def pool_bytes(cfg, fmt: str, dtype: torch.dtype, budget: int) -> dict:
         map_page = g.map_bytes_per_page
         out[f"device_bytes_per_token_{key}"] = round((arena_page + map_page) / g.block_tokens, 2)
         if offload:
-            out["host_bytes_per_token_on"] = round(store.host.kv.numel() * store.host.kv.element_size()
+            out["host_bytes_per_token_on"] = round(store.hot.host.kv.numel() * store.hot.host.kv.element_size()
                                                    / (g.num_host_blocks + 1) / g.block_tokens, 2)
         out["main_row_bytes"], out["index_key_bytes"] = g.main_bytes, g.index_bytes
         out[f"pages_{key}"] = g.num_pages
@@ -106,8 +106,8 @@ def miss_bytes(model, steps: int) -> dict:
         for _ in range(steps):
             toks = model.decode_step(store.batch(["m0", "m1"]), toks).argmax(-1).tolist()
         st = store.stats()
-        out[fmt] = {"misses": st["misses"], "h2d_bytes_on_misses": st["bytes_h2d"] - store.bytes_h2d_admit,
-                    "h2d_bytes_per_miss": (st["bytes_h2d"] - store.bytes_h2d_admit) / max(st["misses"], 1)}
+        out[fmt] = {"misses": st["misses"], "h2d_bytes_on_misses": st["bytes_h2d"] - store.hot.bytes_h2d_admit,
+                    "h2d_bytes_per_miss": (st["bytes_h2d"] - store.hot.bytes_h2d_admit) / max(st["misses"], 1)}
         store.close()
     model.set_kv_format("bf16")
     return out

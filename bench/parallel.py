@@ -81,7 +81,7 @@ def _rank(rank: int, layout_text: str, port: int, model_dir: str, out_dir: str, 
             seconds = time.perf_counter() - t0
         weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         torch.save({"seconds": seconds, "tokens": steps * len(ids), "stats": comm.stats.to_dict(), "logits": record,
-                    "weight_bytes": weight_bytes, "misses": int(store.counters[:, 1].sum())},
+                    "weight_bytes": weight_bytes, "misses": int(store.hot.counters[:, 1].sum()) if store.hot is not None else 0},
                    Path(out_dir) / f"rank{rank}.pt")
     finally:
         comm.close()

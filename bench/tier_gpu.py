@@ -28,6 +28,7 @@ from cachetier.host_pool import HostPool
 from core.kv_format import fp8_main_row_bytes
 from core.presets import V4_FLASH
 from core.roles import TierConfig
+from kernels.resolve_ref import HotState
 
 RATES = (0.0, PUBLISHED_LRU_MISS["2k"], 1.0)
 """0%, the published LRU miss rate with 2k slots (13.4%), and a cold buffer."""
@@ -80,7 +81,7 @@ def _prepared(shape: dict, rate: float, seed: int) -> tuple[dict, list[torch.Ten
 
 
 def _call(fn, args: list[torch.Tensor], st: dict, host: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    return fn(*args, st["entry_map"], st["kv"], st["entry_row"], st["stamp"], host, step, st["counters"])
+    return fn(*args, st["kv"], HotState(st["entry_map"], st["entry_row"], st["stamp"], host, step, st["counters"]))
 
 
 def _same(a: dict, b: dict, shape: dict) -> bool:

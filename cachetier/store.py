@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,16 +19,16 @@ import torch
 from cachetier.batch import INDEX, MAIN, DecodeKV, LayoutBatch
 from cachetier.buckets import context_blocks
 from cachetier.geometry import Field, Geometry, block_rows
-from cachetier.host_pool import HostPool
+from cachetier.hot_tier import HotTier
 from cachetier.layout import KVLayout
 from cachetier.pages import BlockAllocator, OutOfPages, PageAllocator
-from cachetier.tiered_batch import TieredBatch, num_tokens_of
+from cachetier.resident import Resident, num_tokens_of
+from cachetier.tiered_batch import TieredBatch
 from core import device as devices
 from core.config import ModelConfig
 from core.roles import TierConfig
 from core.types import NeverFitsError
 from kernels.host_write import write_rows
-from kernels.resolve_ref import EVICTIONS, HITS, MISSES
 
 log = logging.getLogger(__name__)
 
@@ -157,27 +156,6 @@ class LayoutStore(KVStore):
 # --- the tiered store -----------------------------------------------------------------------------
 
 
-@dataclass
-class Resident:
-    """One admitted request's place in the store."""
-
-    request_id: str
-    group: int
-    blocks: list[int]
-    host_blocks: list[int]
-    num_tokens: int
-    reserve_tokens: int
-    blocks_np: np.ndarray = field(repr=False, default=None)
-    """`blocks` as int64 (host): block tables are written from these, never from Python lists."""
-    host_blocks_np: np.ndarray = field(repr=False, default=None)
-    blocks_t: torch.Tensor = field(repr=False, default=None)
-    """`blocks` on the store's device; made by `fill` (the step thread), never by `reserve`."""
-    host_blocks_t: torch.Tensor = field(repr=False, default=None)
-    """`host_blocks` on the host, made by `fill`."""
-    filled: bool = False
-    """False while the pages are only reserved (the layout has not arrived yet)."""
-
-
 class TieredStore(KVStore):
     def __init__(self, cfg: ModelConfig, tier: TierConfig, dtype: torch.dtype = torch.float32, device=None) -> None:
         self.cfg, self.tier = cfg, tier
@@ -187,32 +165,13 @@ class TieredStore(KVStore):
         # real pages first, then the scratch group and page (see `Geometry`)
         self.arena = torch.zeros(g.arena_pages * g.page_elems, dtype=g.arena_dtype, device=self.device)
         self.pages = PageAllocator(g.num_pages, g.group_pages)
-        n_csa = len(g.csa_layers)
-        self.host: HostPool | None = None
         self.host_alloc: BlockAllocator | None = None
-        # Per CSA layer, each its own tensor so a step updates it in place (never through a slice):
-        # entry map (one element per C4 entry of every page, scratch page last), and per state group
-        # (scratch group last) the map row each hot slot holds and each LRU slot's last-use step.
-        self.entry_map: list[torch.Tensor] = []
-        self.hot_entry_row: list[torch.Tensor] = []
-        self.hot_stamp: list[torch.Tensor] = []
-        if g.offload and n_csa:
-            pin = dev.pin_host_memory and self.device.type == "cuda"
-            self.host = HostPool(n_csa, g.num_host_blocks + 1, g.e4, g.md, g.arena_dtype, pin=pin)  # + the scratch block
-            self.host.kv[:, g.num_host_blocks * g.e4 :] = 0
-            self.host_scratch_row = g.num_host_blocks * g.e4
+        self.hot: HotTier | None = None
+        """The tier's hot-buffer state (tier on, with CSA layers): the host pool, entry maps, slot owners, stamps,
+        the LRU clock and the counters — one owner, `cachetier.hot_tier`."""
+        if g.offload and g.csa_layers:
+            self.hot = HotTier(g, self.arena, self.device, pin=dev.pin_host_memory and self.device.type == "cuda")
             self.host_alloc = BlockAllocator(g.num_host_blocks)
-            for _ in range(n_csa):
-                self.entry_map.append(torch.full((g.arena_pages * g.e4,), -1, dtype=torch.int32, device=self.device))
-                self.hot_entry_row.append(torch.full((g.num_groups + 1, g.hot_slots), -1, dtype=torch.long, device=self.device))
-                self.hot_stamp.append(torch.full((g.num_groups + 1, g.lru), -1, dtype=torch.long, device=self.device))
-        # Kept on the device, so a step (captured or not) never syncs; reading them is the one sync:
-        # hits, misses, evictions per CSA layer; C4 entries written to the host pool per CSA layer;
-        # the LRU clock (steps run), which stamps hot-buffer use.
-        self.counters = torch.zeros(max(n_csa, 1), 3, dtype=torch.long, device=self.device)
-        self.host_writes = torch.zeros(max(n_csa, 1), dtype=torch.long, device=self.device)
-        self.step = torch.zeros((), dtype=torch.long, device=self.device)
-        self.bytes_h2d_admit = 0
         self.residents: dict[str, Resident] = {}
         self._alloc_lock = threading.Lock()  # reservations come from the actor's loop, frees from its step thread
         self._views: dict[tuple[int, int], TieredBatch] = {}
@@ -233,15 +192,6 @@ class TieredStore(KVStore):
             raise ValueError(f"{values.numel()} values for a field of {f.numel} elements {f.shape}")
         start = base + f.offset
         self.arena[start : start + f.numel] = values.reshape(-1).to(self.device)
-
-    def hot_view(self, j: int) -> torch.Tensor:
-        """[groups + 1, hot_slots, row] view of CSA layer j's hot buffers, indexed by state group (scratch last)."""
-        g = self.geo
-        f = g.state_fields["hot"]
-        group_elems = g.group_pages * g.page_elems
-        per_group = self.arena[: (g.num_groups + 1) * group_elems].view(g.num_groups + 1, group_elems)
-        start = f.offset + j * g.hot_slots * g.md
-        return per_group[:, start : start + g.hot_slots * g.md].view(g.num_groups + 1, g.hot_slots, g.md)
 
     def group_base(self, group):
         return group * self.geo.group_pages * self.geo.page_elems
@@ -387,11 +337,7 @@ class TieredStore(KVStore):
             elif what == "c4":
                 self.rows(g.md)[rows["c4"] + j * g.e4] = t
             else:  # "ring": the newest entries also go into the ring of the hot buffer
-                slots = rows["slots"]
-                self.hot_view(j)[r.group, slots] = t
-                self.entry_map[j][rows["hot_rows"]] = rows["slots32"]
-                self.hot_entry_row[j][r.group, slots] = rows["hot_rows"]
-                self.bytes_h2d_admit += slots.numel() * g.main_bytes
+                self.hot.place_newest(j, r.group, rows["slots"], rows["hot_rows"], t)
 
     def _stage(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """These tensors on the store's device. On CUDA the host ones are packed into one pinned staging buffer
@@ -440,7 +386,6 @@ class TieredStore(KVStore):
             newest = e[max(0, n - g.reserved):]
             out["slots"] = g.lru + newest % g.reserved
             out["hot_rows"] = block_rows(r.blocks_t, newest, g.e4)
-            out["slots32"] = out["slots"].to(torch.int32)
         return out
 
     def _write_c4_host(self, r: Resident, j: int, lk, rows: dict[str, torch.Tensor]) -> None:
@@ -448,12 +393,12 @@ class TieredStore(KVStore):
         none of them is resident yet. The blocks go through NumPy's indexed assignment of byte rows: for 32K
         entries of 584 B, 1.5 ms against 11 ms for torch's indexed row copy and 13 ms for `index_copy_` here
         (`python -m bench.admission`)."""
-        g = self.geo
+        g, host = self.geo, self.hot.host
         entries, n, e4 = lk.entries, lk.num_entries, g.e4
-        kv = self.host.kv[j]  # [host rows, row]
+        kv = host.kv[j]  # [host rows, row]
         if entries.device != kv.device:  # written from the device (a prefill in this process, on its GPU)
             e = torch.arange(n, device=entries.device)
-            write_rows(self.host.kv, j, self.host.rows(r.host_blocks_t.to(entries.device), e), entries)
+            write_rows(self.hot.host_view, j, host.rows(r.host_blocks_t.to(entries.device), e), entries)
         else:
             full = n // e4
             src = entries.to(kv.dtype).contiguous()
@@ -463,9 +408,7 @@ class TieredStore(KVStore):
             if n > full * e4:
                 start = r.host_blocks[full] * e4
                 kv[start : start + n - full * e4] = src[full * e4 :]
-        self.entry_map[j][rows["map"]] = -1
-        self.hot_entry_row[j][r.group] = -1
-        self.hot_stamp[j][r.group] = -1
+        self.hot.forget(j, r.group, rows["map"])
 
     def free(self, request_id: str) -> None:
         with self._alloc_lock:
@@ -484,6 +427,9 @@ class TieredStore(KVStore):
     def bucket_blocks(self, request_ids: list[str]) -> int:
         return self.context_blocks(list(map(self.residents.__getitem__, request_ids)))
 
+    def _new_view(self, num_rows: int, num_blocks: int) -> TieredBatch:
+        return TieredBatch(self.cfg, self.geo, self.arena, self.hot, self.device, num_rows, num_blocks)
+
     def step_view(
         self, request_ids: list[str], num_rows: int, num_blocks: int | None = None, tokens: list[int] | None = None,
         min_blocks: int = 1, private: bool = False,
@@ -491,10 +437,10 @@ class TieredStore(KVStore):
         res = list(map(self.residents.__getitem__, request_ids))
         key = (num_rows, num_blocks or max(min_blocks, self.context_blocks(res)))
         if private:
-            view = TieredBatch(self, *key)
+            view = self._new_view(*key)
         else:
             if key not in self._views:  # its buffers stay, so a graph captured on them replays with each step's contents
-                self._views[key] = TieredBatch(self, *key)
+                self._views[key] = self._new_view(*key)
             view = self._views[key]
         view.load(res, tokens)
         return view
@@ -512,10 +458,9 @@ class TieredStore(KVStore):
         return (self.host_alloc.num_blocks - self.host_alloc.num_free) * self.geo.host_block_bytes
 
     def counter_totals(self) -> dict:
-        c = torch.cat((self.counters.sum(dim=0), self.host_writes.sum()[None])).tolist()  # the one host sync, when asked
-        g = self.geo
-        return {"hits": c[HITS], "misses": c[MISSES], "evictions": c[EVICTIONS],
-                "bytes_h2d": c[MISSES] * g.main_bytes + self.bytes_h2d_admit, "bytes_d2h": c[3] * g.main_bytes}
+        if self.hot is not None:
+            return self.hot.totals()
+        return {"hits": 0, "misses": 0, "evictions": 0, "bytes_h2d": 0, "bytes_d2h": 0}
 
     def stats(self) -> dict:
         g = self.geo
@@ -557,7 +502,7 @@ class TieredStore(KVStore):
                 fail(f"{r.request_id}: a page it holds is owned by someone else")
             if len(r.blocks) * g.block_tokens < r.num_tokens:
                 fail(f"{r.request_id}: {r.num_tokens} tokens in {len(r.blocks)} blocks")
-        if self.host_alloc is None:
+        if self.hot is None:
             return
         h_owned = sum(1 for o in self.host_alloc.owner if o is not None)
         if h_owned + self.host_alloc.num_free != self.host_alloc.num_blocks:
@@ -569,35 +514,10 @@ class TieredStore(KVStore):
                 fail(f"{r.request_id}: a host block it holds is owned by someone else")
             if not r.filled:
                 continue  # reserved only: nothing of it is written yet
-            n = r.num_tokens // self.cfg.csa_rate
-            e = torch.arange(n, device=self.device)
-            rows = block_rows(r.blocks_t, e, g.e4)
-            host_rows = self.host.rows(r.host_blocks_t, e.cpu())
-            for j in range(len(g.csa_layers)):
-                slots = self.entry_map[j][rows].long() if n else e
-                entry_row = self.hot_entry_row[j][r.group]
-                held = torch.nonzero(entry_row >= 0).flatten()
-                # every occupied slot names an entry of this request that maps back to it
-                pos = {int(x): i for i, x in enumerate(rows.tolist())}
-                for s in held.tolist():
-                    row = int(entry_row[s])
-                    if row not in pos:
-                        fail(f"{r.request_id} layer {j}: hot slot {s} holds row {row}, not a live entry")
-                    if int(slots[pos[row]]) != s:
-                        fail(f"{r.request_id} layer {j}: entry map of row {row} is {int(slots[pos[row]])}, slot says {s}")
-                mapped = torch.nonzero(slots >= 0).flatten()
-                if mapped.numel() != held.numel():
-                    fail(f"{r.request_id} layer {j}: {mapped.numel()} entries mapped, {held.numel()} slots held")
-                if mapped.numel():
-                    hot = self.hot_view(j)[r.group, slots[mapped]]
-                    if not torch.equal(hot.cpu(), self.host.kv[j, host_rows[mapped.cpu()]]):
-                        fail(f"{r.request_id} layer {j}: a hot slot differs from its host copy")
-                if g.reserved:
-                    newest = set(range(max(0, n - g.reserved), n))
-                    ring = {int(pos.get(int(entry_row[g.lru + k]), -1)) for k in range(g.reserved) if int(entry_row[g.lru + k]) >= 0}
-                    if ring != newest:
-                        fail(f"{r.request_id} layer {j}: ring holds {sorted(ring)}, newest are {sorted(newest)}")
+            problems = self.hot.check(r.request_id, r.group, r.blocks_t, r.host_blocks_t, r.num_tokens // self.cfg.csa_rate)
+            if problems:
+                fail(problems[0])
 
     def close(self) -> None:
-        if self.host is not None:
-            self.host.close()
+        if self.hot is not None:
+            self.hot.close()

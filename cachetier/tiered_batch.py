@@ -17,36 +17,35 @@ geometry, host pool and its row function, hot-buffer bookkeeping, device counter
 
 from __future__ import annotations
 
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import torch
 
 from cachetier.batch import DecodeKV, Segment, entry_counts
 from cachetier.buckets import gather_len
-from cachetier.geometry import block_rows
+from cachetier.geometry import Geometry, block_rows
 from cachetier.layout import HCA_ENTRIES, INDEX_KEYS
-from kernels.host_write import write_rows
+from cachetier.resident import Resident, group_of, num_tokens_of
+from core.config import ModelConfig
 from kernels.index_topk_ref import PagedKeys
 from kernels.resolve import resolve
 
 if TYPE_CHECKING:
-    from cachetier.store import Resident, TieredStore
+    from cachetier.hot_tier import HotTier
 
 
-num_tokens_of, group_of = attrgetter("num_tokens"), attrgetter("group")
-"""A resident's token count and state group, for `map` over a step's residents."""
 
 
 class TieredBatch(DecodeKV):
     """A bucket-shaped view of the tiered store for one decode step."""
 
-    def __init__(self, store: TieredStore, num_rows: int, num_blocks: int) -> None:
-        self.s = store
-        self.g = g = store.geo
+    def __init__(self, cfg: ModelConfig, geo: Geometry, arena: torch.Tensor, hot: HotTier | None, device: torch.device,
+                 num_rows: int, num_blocks: int) -> None:
+        self.cfg, self.arena, self.hot = cfg, arena, hot
+        self.g = g = geo
         self.window = g.window
         self.bucket = (num_rows, num_blocks)
-        dev = store.device
+        dev = device
         staged = dev.type == "cuda"  # a separate pinned host copy only where host and device differ
         self._meta_host = torch.zeros(3, num_rows, dtype=torch.long, pin_memory=staged)  # positions, groups, tokens
         self._tables_host = torch.zeros(2, num_rows, num_blocks, dtype=torch.long, pin_memory=staged)  # pages, host blocks
@@ -59,8 +58,6 @@ class TieredBatch(DecodeKV):
         self._tables_for: tuple | None = None
         self._group_elems = g.group_pages * g.page_elems
         self._scratch_gbase = g.scratch_group * self._group_elems
-        # the host pool as the step's kernels address it: zero-copy device memory on CUDA (mapped), itself on the CPU
-        self._host_kv = store.host.on(dev) if store.host is not None else None
 
     def bucket_tensors(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         """The buffers whose sizes are the bucket, with those dims: every other tensor of a step is sized from them."""
@@ -108,21 +105,21 @@ class TieredBatch(DecodeKV):
 
     def _put(self, width: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Arena rows of `width` elements <- values [..., width]; one scatter into the arena itself."""
-        arena = self.s.arena
+        arena = self.arena
         idx = rows[..., None] * width + torch.arange(width, device=rows.device)
         arena.index_put_((idx,), values.to(arena.dtype))
 
     def _take(self, width: int, rows: torch.Tensor) -> torch.Tensor:
-        return self.s.arena.view(-1, width)[rows]
+        return self.arena.view(-1, width)[rows]
 
     def _put_at(self, starts: torch.Tensor, values: torch.Tensor) -> None:
         """Arena elements starts[...] .. + width <- values [..., width] (arena-typed); one scatter."""
-        arena = self.s.arena
+        arena = self.arena
         idx = starts[..., None] + torch.arange(values.shape[-1], device=starts.device)
         arena.index_put_((idx,), values.to(arena.dtype))
 
     def _take_at(self, width: int, starts: torch.Tensor) -> torch.Tensor:
-        return self.s.arena[starts[..., None] + torch.arange(width, device=starts.device)]
+        return self.arena[starts[..., None] + torch.arange(width, device=starts.device)]
 
     def begin_step(self) -> None:
         super().begin_step()
@@ -139,7 +136,7 @@ class TieredBatch(DecodeKV):
         base = f.row(self.gbase, layer * g.window)  # [rows]
         self._put(g.md, base + self.positions % g.window, key)
         ring = base[:, None] + torch.arange(g.window, device=key.device)  # [rows, window]
-        return Segment(self.s.arena.view(-1, g.md), torch.where(self.live, ring, -1))
+        return Segment(self.arena.view(-1, g.md), torch.where(self.live, ring, -1))
 
     def _state_starts(self, layer, name, part, gbase) -> torch.Tensor:
         f = self.g.state_fields[f"{layer}.{name}.{part}"]
@@ -192,7 +189,7 @@ class TieredBatch(DecodeKV):
         return block_rows(self.blocks, e, self.g.e4)
 
     def append_entries(self, layer, kind, emit, entries) -> None:
-        g, cfg = self.g, self.s.cfg
+        g, cfg = self.g, self.cfg
         rate = cfg.hca_rate if kind == HCA_ENTRIES else cfg.csa_rate
         e = (entry_counts(self.positions, rate) - 1).clamp(min=0)  # [rows]
         if kind == INDEX_KEYS:
@@ -205,25 +202,10 @@ class TieredBatch(DecodeKV):
             self._append_c4_tiered(g.csa_index[layer], emit, e, entries)
 
     def _append_c4_tiered(self, j: int, emit: torch.Tensor, e: torch.Tensor, entries: torch.Tensor) -> None:
-        """New C4 entry: authoritative copy to the host pool, and into the ring of the hot buffer."""
-        g, s = self.g, self.s
-        host_rows = torch.where(emit, s.host.rows(self.host_blocks, e[:, None]).squeeze(1), s.host_scratch_row)
-        write_rows(self._host_kv, j, host_rows, entries.to(self._host_kv.dtype))
-        s.host_writes[j : j + 1].add_(emit.sum())
-        if not g.reserved:
-            return
-        entry_map = s.entry_map[j]
-        dump = entry_map.shape[0] - 1  # a scratch-page element
-        old = e - g.reserved  # the entry leaving the ring
-        leaving = emit & (old >= 0)
-        entry_map.index_put_((torch.where(leaving, self._map_rows(old.clamp(min=0)), dump),),
-                             torch.full_like(e, -1, dtype=entry_map.dtype))
-        slot = g.lru + e % g.reserved  # [rows]
-        hot = g.state_fields["hot"]
-        self._put(g.md, hot.row(torch.where(emit, self.gbase, self._scratch_gbase), j * g.hot_slots) + slot, entries)
-        new_rows = self._map_rows(e)
-        entry_map.index_put_((torch.where(emit, new_rows, dump),), slot.to(entry_map.dtype))
-        s.hot_entry_row[j].index_put_((torch.where(emit, self.groups, g.scratch_group), slot), new_rows)
+        """New C4 entry: authoritative copy to the host pool, and into the ring of the hot buffer (`HotTier.append`)."""
+        host_rows = self.hot.host.rows(self.host_blocks, e[:, None]).squeeze(1)
+        self.hot.append(j, emit, e, host_rows, self.groups, self.gbase, entries, self._map_rows,
+                        lambda rows, values: self._put(self.g.md, rows, values))
 
     def _all_rows(self, kind: str, j: int, rate: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Arena rows of every entry slot up to the gather length [rows, len], -1 past each row's count; the counts."""
@@ -233,8 +215,8 @@ class TieredBatch(DecodeKV):
         return torch.where(e < counts[:, None], rows, -1), counts
 
     def hca_segment(self, layer) -> Segment:
-        rows, _ = self._all_rows("hca", self.g.hca_index[layer], self.s.cfg.hca_rate)
-        return Segment(self.s.arena.view(-1, self.g.md), rows)
+        rows, _ = self._all_rows("hca", self.g.hca_index[layer], self.cfg.hca_rate)
+        return Segment(self.arena.view(-1, self.g.md), rows)
 
     def index_source(self, layer) -> PagedKeys:
         """The layer's keys in the arena: a page holds each CSA layer's keys of its block consecutively, so a row's
@@ -242,22 +224,21 @@ class TieredBatch(DecodeKV):
         g = self.g
         f = g.block_fields["index_keys"]
         starts = f.start(self.blocks * g.page_elems, g.csa_index[layer] * g.e4)  # [rows, blocks] element offsets
-        return PagedKeys(self.s.arena, starts, entry_counts(self.positions, self.s.cfg.csa_rate), g.e4, g.codec)
+        return PagedKeys(self.arena, starts, entry_counts(self.positions, self.cfg.csa_rate), g.e4, g.codec)
 
     def c4_segment(self, layer, ids) -> Segment:
-        g, s = self.g, self.s
+        g = self.g
         j = g.csa_index[layer]
         valid = ids >= 0
         safe = torch.where(valid, ids, 0)  # [rows, k]
-        pool = s.arena.view(-1, g.md)
+        pool = self.arena.view(-1, g.md)
         if not g.offload:
             return Segment(pool, torch.where(valid, self._entry_rows("c4", j, safe), -1))
         hot_rows = g.state_fields["hot"].row(self.gbase, j * g.hot_slots)  # [rows], slot 0 of each hot buffer
-        slots = resolve(
-            ids, self._map_rows(safe), s.host.rows(self.host_blocks, safe), self.groups, hot_rows, s.entry_map[j],
-            s.arena, s.hot_entry_row[j], s.hot_stamp[j], self._host_kv[j], s.step, s.counters[j],
-        )  # fmt: skip
+        slots = resolve(ids, self._map_rows(safe), self.hot.host.rows(self.host_blocks, safe), self.groups, hot_rows,
+                        self.arena, self.hot.layer(j))
         return Segment(pool, torch.where(slots >= 0, hot_rows[:, None] + slots, -1))
 
     def end_step(self) -> None:
-        self.s.step.add_(1)  # the LRU clock, on the device
+        if self.hot is not None:
+            self.hot.tick()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from core import device
-from kernels.resolve_ref import resolve_ref
+from kernels.resolve_ref import HotState, resolve_ref
 
 
 def resolve(
@@ -14,19 +14,13 @@ def resolve(
     host_rows: torch.Tensor,
     books: torch.Tensor,
     hot_rows: torch.Tensor,
-    entry_map: torch.Tensor,
     kv_pool: torch.Tensor,
-    hot_entry_row: torch.Tensor,
-    hot_stamp: torch.Tensor,
-    host_pool: torch.Tensor,
-    step: torch.Tensor,
-    counters: torch.Tensor,
+    state: HotState,
 ) -> torch.Tensor:
     """Resolve selected entries to hot-buffer slots (see `kernels.resolve_ref` for the policy); returns slots [batch, k]."""
-    args = (ids, map_rows, host_rows, books, hot_rows, entry_map, kv_pool, hot_entry_row, hot_stamp, host_pool, step, counters)
-    if kv_pool.is_cuda and entry_map.is_cuda and device.current().use_triton:
+    if kv_pool.is_cuda and state.entry_map.is_cuda and device.current().use_triton:
         # Imported here so that the CPU path never needs triton installed.
         from kernels.resolve_triton import resolve_triton
 
-        return resolve_triton(*args)
-    return resolve_ref(*args)
+        return resolve_triton(ids, map_rows, host_rows, books, hot_rows, kv_pool, state)
+    return resolve_ref(ids, map_rows, host_rows, books, hot_rows, kv_pool, state)

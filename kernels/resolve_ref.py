@@ -30,10 +30,24 @@ device tensor, and `step` is a device tensor too, so a captured step replays cor
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 HITS, MISSES, EVICTIONS = 0, 1, 2
 NOT_FREE = torch.iinfo(torch.int64).max  # victim key of a slot that may not be taken this step
+
+
+class HotState(NamedTuple):
+    """One CSA layer's hot-buffer bookkeeping as resolve reads and updates it (its owner is
+    `cachetier.hot_tier.HotTier`; see the module docstring for each part)."""
+
+    entry_map: torch.Tensor
+    hot_entry_row: torch.Tensor
+    hot_stamp: torch.Tensor
+    host_pool: torch.Tensor
+    step: torch.Tensor
+    counters: torch.Tensor
 
 
 def resolve_ref(
@@ -42,13 +56,8 @@ def resolve_ref(
     host_rows: torch.Tensor,
     books: torch.Tensor,
     hot_rows: torch.Tensor,
-    entry_map: torch.Tensor,
     kv_pool: torch.Tensor,
-    hot_entry_row: torch.Tensor,
-    hot_stamp: torch.Tensor,
-    host_pool: torch.Tensor,
-    step: torch.Tensor,
-    counters: torch.Tensor,
+    state: HotState,
 ) -> torch.Tensor:
     """Resolve selected entries to hot-buffer slots, copying misses in from the host pool.
 
@@ -61,6 +70,7 @@ def resolve_ref(
     host_pool: [host_rows_total, dim], read only; step: 0-d int64; counters: [3] int64, accumulated
     Returns slots [batch, k] int64.
     """
+    entry_map, hot_entry_row, hot_stamp, host_pool, step, counters = state
     batch, k = ids.shape
     lru = hot_stamp.shape[1]
     dim = host_pool.shape[1]

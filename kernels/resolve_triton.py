@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.resolve_ref import HotState
+
 INT64_MAX = tl.constexpr(0x7FFFFFFFFFFFFFFF)  # stands for 'not free' in the victim key
 TILE = 8192
 """Elements one program holds at once in its two-dimensional passes (the copy tile, the duplicate check):
@@ -217,15 +219,11 @@ def resolve_triton(
     host_rows: torch.Tensor,
     books: torch.Tensor,
     hot_rows: torch.Tensor,
-    entry_map: torch.Tensor,
     kv_pool: torch.Tensor,
-    hot_entry_row: torch.Tensor,
-    hot_stamp: torch.Tensor,
-    host_pool: torch.Tensor,
-    step: torch.Tensor,
-    counters: torch.Tensor,
+    state: HotState,
 ) -> torch.Tensor:
     """Triton twin of `resolve_ref`: same arguments, same in-place updates, returns slots [batch, k] int64."""
+    entry_map, hot_entry_row, hot_stamp, host_pool, step, counters = state
     batch, k = ids.shape
     lru = hot_stamp.shape[1]
     dim = host_pool.shape[1]

@@ -60,7 +60,7 @@ def _schedule(model, store, step_config=None, short=False):
     runner = worker.runner
     summary = {"mode": runner.mode, "steps_by_bucket": dict(runner.steps_by_bucket), "compile_log": list(runner.compile_log),
                "compiles": runner.compiles, "steps": worker.steps, "stats": worker.stats(),
-               "counters": worker.store.counters.clone() if hasattr(worker.store, "counters") else None,
+               "counters": worker.store.hot.counters.clone() if getattr(worker.store, "hot", None) is not None else None,
                "num_csa_layers": len(model.cfg.csa_layers)}
     return out, max_batch, summary
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels.resolve_ref import EVICTIONS, HITS, MISSES, resolve_ref
+from kernels.resolve_ref import EVICTIONS, HITS, MISSES, HotState, resolve_ref
 
 STATE_FIELDS = ("entry_map_all", "hot_kv", "hot_entry_row", "hot_stamp_all", "counters")
 
@@ -254,13 +254,9 @@ def replay(sc: Scenario, resolve_fn, device: str = "cpu") -> list[dict[str, torc
                 host_rows,
                 state_slots,
                 state_slots * slots_per_buffer,
-                state["entry_map_all"][:, LAYER],
                 state["hot_kv"].view(-1),
-                state["hot_entry_row"],
-                state["hot_stamp_all"][LAYER],
-                state["host_pool"],
-                torch.tensor(step, device=device),
-                state["counters"],
+                HotState(state["entry_map_all"][:, LAYER], state["hot_entry_row"], state["hot_stamp_all"][LAYER],
+                         state["host_pool"], torch.tensor(step, device=device), state["counters"]),
             )
             snap = {"slots": slots.cpu().clone(), "kind": kind}
             snap.update(without_scratch(state))
@@ -290,8 +286,8 @@ def _tiny_resolve(st, ids, step):
     map_rows = torch.where(ids >= 0, ids + 2, -1)
     host_rows = torch.where(ids >= 0, 2 * ids + 1, -1)
     return resolve_ref(
-        ids, map_rows, host_rows, torch.tensor([0]), torch.tensor([0]), st["entry_map"], st["hot_kv"].view(-1),
-        st["hot_entry_row"], st["hot_stamp"], st["host_pool"], torch.tensor(step), st["counters"],
+        ids, map_rows, host_rows, torch.tensor([0]), torch.tensor([0]), st["hot_kv"].view(-1),
+        HotState(st["entry_map"], st["hot_entry_row"], st["hot_stamp"], st["host_pool"], torch.tensor(step), st["counters"]),
     )[0].tolist()  # fmt: skip
 
 
@@ -378,8 +374,8 @@ def _call(st, ids, step, resolve_fn):
     ids = torch.tensor([ids])  # [1, k]; map row = id + 2, host row = 2 * id + 1, as in `_tiny_resolve`
     slots = resolve_fn(
         ids, torch.where(ids >= 0, ids + 2, -1), torch.where(ids >= 0, 2 * ids + 1, -1), torch.tensor([0]), torch.tensor([0]),
-        st["entry_map"], st["hot_kv"].view(-1), st["hot_entry_row"], st["hot_stamp"], st["host_pool"], torch.tensor(step),
-        st["counters"],
+        st["hot_kv"].view(-1),
+        HotState(st["entry_map"], st["hot_entry_row"], st["hot_stamp"], st["host_pool"], torch.tensor(step), st["counters"]),
     )  # fmt: skip
     # the scratch rows (map element 19, book 1) are where the reference's idle lanes write; leave them out
     return {"slots": slots, "entry_map": st["entry_map"][:-1], "hot_kv": st["hot_kv"][:1], "hot_entry_row": st["hot_entry_row"][:1],
@@ -443,7 +439,8 @@ def test_dispatchers_on_cpu_run_the_references_without_triton(child_env):
         "em = torch.full((4,), -1, dtype=torch.int32)\n"
         "kv = torch.zeros(2, 3, 2); row = torch.full((2, 3), -1); st = torch.full((2, 2), -1); z = torch.tensor([0])\n"
         "pool = torch.ones(4, 2); c = torch.zeros(3, dtype=torch.int64); ids = torch.tensor([[1, -1]])\n"
-        "assert resolve(ids, ids + 1, ids, z, z, em, kv.view(-1), row, st, pool, torch.tensor(1), c).tolist() == [[0, -1]]\n"
+        "from kernels.resolve_ref import HotState\n"
+        "assert resolve(ids, ids + 1, ids, z, z, kv.view(-1), HotState(em, row, st, pool, torch.tensor(1), c)).tolist() == [[0, -1]]\n"
         "from kernels.host_write import write_rows\n"
         "hp = torch.zeros(2, 3, 2); write_rows(hp, 1, torch.tensor([2]), torch.ones(1, 2))\n"
         "assert hp[1, 2].tolist() == [1.0, 1.0] and hp.sum() == 2\n"
@@ -591,8 +588,9 @@ def replay_drift(d: Drift, resolve_fn, device: str = "cpu", host_pool: torch.Ten
     pool = st["host_pool"] if host_pool is None else host_pool
     snaps = []
     for step, ids in enumerate(drift_selections(d), start=1):
-        slots = resolve_fn(*drift_args(d, st, ids, device), st["entry_map"], st["hot_kv"], st["hot_entry_row"], st["hot_stamp"],
-                           pool, torch.tensor(step, device=device), st["counters"])
+        slots = resolve_fn(*drift_args(d, st, ids, device), st["hot_kv"],
+                           HotState(st["entry_map"], st["hot_entry_row"], st["hot_stamp"], pool, torch.tensor(step, device=device),
+                                    st["counters"]))
         snaps.append(drift_snapshot(d, st, slots))
     return snaps
 
@@ -692,13 +690,14 @@ def test_captured_resolve_replays_like_the_reference():
     try:
         inputs = [t.clone() for t in drift_args(d, st, selections[0], "cuda")]
         step = torch.ones((), dtype=torch.int64, device="cuda")
-        state = (st["entry_map"], st["hot_kv"], st["hot_entry_row"], st["hot_stamp"])
-        warm = [t.clone() for t in (*state, st["counters"])]  # compile outside the capture, on a throwaway copy
-        resolve_triton(*inputs, *warm[:4], view, step, warm[4])
+        warm = [t.clone() for t in (st["entry_map"], st["hot_kv"], st["hot_entry_row"], st["hot_stamp"], st["counters"])]
+        # compile outside the capture, on a throwaway copy
+        resolve_triton(*inputs, warm[1], HotState(warm[0], warm[2], warm[3], view, step, warm[4]))
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            slots = resolve_triton(*inputs, *state, view, step, st["counters"])
+            slots = resolve_triton(*inputs, st["hot_kv"], HotState(st["entry_map"], st["hot_entry_row"], st["hot_stamp"], view,
+                                                                    step, st["counters"]))
         got = []
         for n, ids in enumerate(selections, start=1):
             for dst, src in zip(inputs, drift_args(d, st, ids, "cuda")):

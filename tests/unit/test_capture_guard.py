@@ -21,7 +21,7 @@ from kernels.capture_guard import (
 )
 from kernels.formats import E2M1_VALUES, e2m1_table
 from kernels.host_write_ref import write_rows_ref
-from kernels.resolve_ref import resolve_ref
+from kernels.resolve_ref import HotState, resolve_ref
 
 
 @pytest.fixture(scope="module")
@@ -182,17 +182,22 @@ def _resolve_case(device):
     )
 
 
+def _resolve(case: dict) -> torch.Tensor:
+    state = HotState(*(case[k] for k in ("entry_map", "hot_entry_row", "hot_stamp", "host_pool", "step", "counters")))
+    return resolve_ref(*(case[k] for k in ("ids", "map_rows", "host_rows", "books", "hot_rows", "kv_pool")), state)
+
+
 def test_resolve_reads_the_pool_through_its_device_view(fake):
     ref = _resolve_case("cpu")
-    slots = resolve_ref(**ref)
+    slots = _resolve(ref)
     assert slots.tolist() == [[0, 1, 4]] and ref["counters"].tolist() == [1, 2, 0]
     assert ref["kv_pool"].view(-1, 2)[:2].tolist() == [[22.0, 23.0], [6.0, 7.0]]  # host rows 11 and 3
     with fake:
         case = _resolve_case("cuda")
         host = case["host_pool"]
-        assert _violations(lambda: resolve_ref(**case)) != []  # the host tensor itself: read there, copied back
+        assert _violations(lambda: _resolve(case)) != []  # the host tensor itself: read there, copied back
         case = _resolve_case("cuda")
         case["host_pool"] = torch.empty(host.shape, device="cuda")  # stands for HostPool.on("cuda")
-        assert _violations(lambda: resolve_ref(**case)) == []
+        assert _violations(lambda: _resolve(case)) == []
         rows = torch.tensor([4, 0], device="cuda")
         assert _violations(lambda: write_rows_ref(torch.empty(2, 6, 3, device="cuda"), 1, rows, torch.ones(2, 3, device="cuda"))) == []

@@ -58,7 +58,7 @@ def _store_with(model, prompts):
                                               device_budget_bytes=8 * 2**20, host_pool_bytes=8 * 2**20))
     # The host pool is allocated uninitialised (a real one is far too large to clear); zero this small one so
     # that the rows no request wrote compare equal between the two stores.
-    store.host.kv.zero_()
+    store.hot.host.kv.zero_()
     for i, p in enumerate(prompts):
         _, layout = model.prefill(p, last_only=True)
         store.admit(f"r{i}", layout, len(p) + 40)
@@ -86,12 +86,12 @@ def test_padded_rows_write_only_scratch(tiny_model):
             tokens = outs[0].argmax(-1).tolist()
             assert torch.allclose(exact.arena[:real_arena], padded.arena[:real_arena], atol=1e-5)
             host_rows = geo.num_host_blocks * geo.e4
-            assert torch.allclose(exact.host.kv[:, :host_rows], padded.host.kv[:, :host_rows], atol=1e-5)
+            assert torch.allclose(exact.hot.host.kv[:, :host_rows], padded.hot.host.kv[:, :host_rows], atol=1e-5)
             for j in range(len(geo.csa_layers)):
-                assert torch.equal(exact.entry_map[j][: geo.num_pages * geo.e4], padded.entry_map[j][: geo.num_pages * geo.e4])
-                assert torch.equal(exact.hot_entry_row[j][:-1], padded.hot_entry_row[j][:-1])
-                assert torch.equal(exact.hot_stamp[j][:-1], padded.hot_stamp[j][:-1])
-    assert torch.equal(exact.counters, padded.counters) and exact.counters[:, 1].sum() > 0
+                assert torch.equal(exact.hot.entry_map[j][: geo.num_pages * geo.e4], padded.hot.entry_map[j][: geo.num_pages * geo.e4])
+                assert torch.equal(exact.hot.hot_entry_row[j][:-1], padded.hot.hot_entry_row[j][:-1])
+                assert torch.equal(exact.hot.hot_stamp[j][:-1], padded.hot.hot_stamp[j][:-1])
+    assert torch.equal(exact.hot.counters, padded.hot.counters) and exact.hot.counters[:, 1].sum() > 0
     exact.check_integrity()
     padded.check_integrity()
 

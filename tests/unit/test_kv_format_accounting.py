@@ -47,7 +47,7 @@ def test_plan_and_runtime_agree_on_bytes_per_token(make, fmt, dtype, offload):
     # equal up to the page's alignment padding (less than one main row per page)
     assert plan <= runtime < plan + g.main_bytes / g.block_tokens
     if offload:
-        assert store.host.kv.numel() * store.host.kv.element_size() == (g.num_host_blocks + 1) * g.host_block_bytes
+        assert store.hot.host.kv.numel() * store.hot.host.kv.element_size() == (g.num_host_blocks + 1) * g.host_block_bytes
         assert g.host_block_bytes / g.block_tokens == per_token.c4
     assert g.main_bytes == planner.kv_entry_bytes(cfg, kv) and g.index_bytes == planner.index_key_bytes(cfg, idx)
     store.close()

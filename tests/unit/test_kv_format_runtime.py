@@ -95,7 +95,7 @@ def test_packed_layout_and_arena_hold_bytes(models):
     assert csa.index_keys.shape[1] == idx
     assert csa.compressor.kv.dtype == torch.float32  # compressor state keeps the compute dtype
     store = TieredStore(cfg, TierConfig(offload=True, device_budget_bytes=16 * 2**20, host_pool_bytes=16 * 2**20))
-    assert store.arena.dtype == torch.uint8 and store.host.kv.dtype == torch.uint8 and store.host.kv.shape[-1] == main
+    assert store.arena.dtype == torch.uint8 and store.hot.host.kv.dtype == torch.uint8 and store.hot.host.kv.shape[-1] == main
     # a layout in another format is refused, not misread
     _, plain_layout = models["bf16"].prefill(_prompts(cfg)[0])
     with pytest.raises(ValueError, match="formats differ"):

@@ -127,12 +127,12 @@ def test_integrity_check_catches_corruption(tiny_model):
     worker.check_integrity()
     r = store.residents["x"]
     # a hot slot whose content no longer equals its host copy
-    slot = int(torch.nonzero(store.hot_entry_row[0][r.group] >= 0)[0])
-    saved = store.hot_view(0)[r.group, slot].clone()
-    store.hot_view(0)[r.group, slot] += 1.0
+    slot = int(torch.nonzero(store.hot.hot_entry_row[0][r.group] >= 0)[0])
+    saved = store.hot.hot_view(0)[r.group, slot].clone()
+    store.hot.hot_view(0)[r.group, slot] += 1.0
     with pytest.raises(IntegrityError, match="differs from its host copy"):
         worker.check_integrity()
-    store.hot_view(0)[r.group, slot] = saved
+    store.hot.hot_view(0)[r.group, slot] = saved
     # a page owned by nobody while a resident claims it
     page = r.blocks[0]
     store.pages.owner[page] = None

@@ -1,0 +1,34 @@
+"""Where one admitted request sits in the tiered store: what the store allocates and the step view reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from operator import attrgetter
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Resident:
+    """One admitted request's place in the store."""
+
+    request_id: str
+    group: int
+    blocks: list[int]
+    host_blocks: list[int]
+    num_tokens: int
+    reserve_tokens: int
+    blocks_np: np.ndarray = field(repr=False, default=None)
+    """`blocks` as int64 (host): block tables are written from these, never from Python lists."""
+    host_blocks_np: np.ndarray = field(repr=False, default=None)
+    blocks_t: torch.Tensor = field(repr=False, default=None)
+    """`blocks` on the store's device; made by `fill` (the step thread), never by `reserve`."""
+    host_blocks_t: torch.Tensor = field(repr=False, default=None)
+    """`host_blocks` on the host, made by `fill`."""
+    filled: bool = False
+    """False while the pages are only reserved (the layout has not arrived yet)."""
+
+
+num_tokens_of, group_of = attrgetter("num_tokens"), attrgetter("group")
+"""A resident's token count and state group, for `map` over a step's residents."""
