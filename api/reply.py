@@ -35,6 +35,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 DSML = "\uff5cDSML\uff5c"
@@ -58,13 +59,16 @@ def opens_reasoning(prompt: str) -> bool:
 
 
 def _held(buf: str, delims) -> int:
-    """Length of the longest tail of `buf` that is a proper prefix of one of `delims`."""
-    best = 0
+    """Length of the longest tail of `buf` that is a proper prefix of one of `delims`. Only a tail starting with
+    a delimiter's first character can be one, so the common case (no such character near the end) is one find."""
+    best, n = 0, len(buf)
     for d in delims:
-        for n in range(min(len(d) - 1, len(buf)), best, -1):
-            if buf.endswith(d[:n]):
-                best = n
+        j = buf.find(d[0], max(0, n - len(d) + 1))
+        while 0 <= j and n - j > best:
+            if d.startswith(buf[j:]):
+                best = n - j
                 break
+            j = buf.find(d[0], j + 1)
     return best
 
 
@@ -77,6 +81,11 @@ def _strict_json(text: str):
 
 def _dump(value) -> str:
     return json.dumps(value, ensure_ascii=False)
+
+
+def _escaped(text: str) -> str:
+    """Text as the inside of a JSON string, as `_dump` writes it (the C escaper: a streamed value's every piece)."""
+    return encode_basestring(text)[1:-1]
 
 
 @dataclass
@@ -135,7 +144,7 @@ class ReplyParser:
         self.error: ToolCallError | None = None
         self.reasoning, self.content = [], []  # everything read so far (the whole reply, for a non-streamed answer)
         self._out = Delta()
-        self._raw = ""  # the current call's text so far, for the error if it breaks
+        self._raw: list[str] = []  # the current call's text so far, in pieces (for the error if it breaks)
         self._call: dict | None = None  # the call being read: id, name, arguments so far, keys seen
         self._close = ""  # the open DSML block's closing tag
 
@@ -206,7 +215,7 @@ class ReplyParser:
             self._out.calls.append(CallDelta(len(self.calls), arguments=text))
 
     def _end_call(self) -> bool:
-        c, self._call, self._raw = self._call, None, ""
+        c, self._call, self._raw = self._call, None, []
         self.calls.append(ToolCall(c["id"], c["name"], "".join(c["args"])))
         if not self.parallel:
             self.state = "done"
@@ -214,14 +223,14 @@ class ReplyParser:
 
     def _fail(self, message: str) -> bool:
         index = len(self.calls)
-        self.error = ToolCallError(index, message, self._raw + self.buf)
+        self.error = ToolCallError(index, message, "".join(self._raw) + self.buf)
         self.state, self.buf, self._call = "failed", "", None
         return False
 
     def _read(self, n: int) -> str:
         """Consume n characters of the buffer as part of the current call's raw text."""
         s, self.buf = self.buf[:n], self.buf[n:]
-        self._raw += s
+        self._raw.append(s)
         return s
 
     def _skip_ws(self) -> bool:
@@ -279,7 +288,7 @@ class ReplyParser:
         if found:
             i, op = min(found)
             self._emit_content(self.buf[:i])
-            self.ws, self.buf, self._raw = "", self.buf[i + len(op):], op  # the whitespace before a call is dropped
+            self.ws, self.buf, self._raw = "", self.buf[i + len(op):], [op]  # the whitespace before a call is dropped
             if op == JSON_CALL_OPEN:
                 self.state = "json_call"
             else:
@@ -305,9 +314,9 @@ class ReplyParser:
             return False
         if (end := self._literal(self._close)) or (start := self._literal(INVOKE_OPEN)):
             if end:
-                self.state, self._raw = "content", ""
+                self.state, self._raw = "content", []
             else:
-                self._raw, self.state = INVOKE_OPEN, "invoke_name"
+                self._raw, self.state = [INVOKE_OPEN], "invoke_name"
             return True
         if end is None or start is None:
             return False
@@ -382,7 +391,7 @@ class ReplyParser:
 
     def _param_text(self) -> bool:
         text, closed = self._until(PARAM_CLOSE)
-        self._emit_args(_dump(text)[1:-1])
+        self._emit_args(_escaped(text))
         if closed:
             self._emit_args('"')
             self.state = "invoke_body"
