@@ -26,6 +26,9 @@ an H200 (estimates: nothing has run there yet; each one's timeout, larger, is in
 - `decode_graphs` (<= 120 s): the built-in model in fp32 and bf16 x KV bf16 / v4 x tier on / off, eager against
   CUDA graphs (tokens and the max logit difference), a context bucket met mid-run served uncaptured and
   captured when idle while another thread reserves and frees; capture seconds, graphs, replay ms, peak memory;
+- `v4_step` (<= 90 s): `bench.gpu_check_v4step`, four layers at V4-Flash dimensions (32 FP4 experts, bf16, `v4` KV)
+  at 64 rows x 32K and 128K through CUDA graphs: step and replay ms, time per layer kind, kernels per step, peak
+  memory, and the bytes a step must read over the measured copy bandwidth (the fraction of the memory floor);
 - `capture_guard` (<= 60 s): `kernels.capture_guard` over one fixed-shape step on the real device (both KV
   formats, tier on/off, packed/dense, fp32/bf16), then that step captured and replayed;
 - `engine` (<= 60 s): `InProcessEngine` on CUDA, 8 requests with prompt log-probabilities and two seeded
@@ -83,6 +86,7 @@ CHECKS = (
     Check("versions", "bench.gpu_check_env:versions", 60, needs_cuda=False, about="versions, device facts, packages"),
     Check("kernels", "bench.gpu_check_kernels:kernels", 150, about="attention, prefill attention, resolve, host write"),
     Check("decode_graphs", "bench.gpu_check_decode:decode_graphs", 200, about="eager vs CUDA graphs, lazy capture"),
+    Check("v4_step", "bench.gpu_check_v4step:v4_step", 180, about="a V4-shaped step against its memory floor"),
     Check("capture_guard", "bench.gpu_check_decode:capture_guard_check", 120, about="the capture guard on the device"),
     Check("engine", "bench.gpu_check_serving:engine", 120, about="InProcessEngine: logprobs, seeded sampling"),
     Check("generate", "bench.gpu_check_generate:generate", 120, about="hisparse generate --json on the GPU"),

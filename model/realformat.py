@@ -171,16 +171,21 @@ def _fill_random_codes(model: V4Model, seed: int) -> V4Model:
     return model
 
 
-def random_packed_model(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device=None, seed: int = SEED) -> V4Model:
-    """A ready model of `cfg` packed like the checkpoints (FP8 linears, FP4 experts), computing in `dtype` on
-    `device`, its codes drawn at random there (`_fill_random_codes`): benchmarks at V4's layer sizes without
-    writing, loading or quantizing a checkpoint."""
+def packed_skeleton(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device=None) -> V4Model:
+    """An uninitialised model of `cfg` packed like the checkpoints (FP8 linears, FP4 experts), dense weights in
+    `dtype`, on `device` (the meta device gives every tensor's size without memory)."""
     with torch.device("meta"):
         probe = V4Model(cfg)
     pack_like_checkpoint(probe)  # which modules the checkpoints pack, decided by the one rule that packs them
     kinds = {path: FP8 if isinstance(m, FP8Linear) else FP4_EXPERTS
              for path, m in probe.named_modules() if isinstance(m, (FP8Linear, FP4Experts))}
-    return _fill_random_codes(build_empty(cfg, dtype, device, packed=kinds), seed)
+    return build_empty(cfg, dtype, device, packed=kinds)
+
+
+def random_packed_model(cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, device=None, seed: int = SEED) -> V4Model:
+    """`packed_skeleton` with its codes drawn at random where it computes (`_fill_random_codes`): benchmarks at V4's
+    layer sizes without writing, loading or quantizing a checkpoint."""
+    return _fill_random_codes(packed_skeleton(cfg, dtype, device), seed)
 
 
 def write_realformat_checkpoint(
