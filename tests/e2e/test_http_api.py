@@ -127,7 +127,9 @@ def test_n_choices_seed_logprobs_echo(gw):
         n_prompt = len(tok.encode("ab" if c["index"] < 3 else "cde"))
         assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n_prompt + 6
         assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None and lp["text_offset"][0] == 0
-        assert all(v <= 0 for v in lp["token_logprobs"][1:]) and all(len(t) <= 3 for t in lp["top_logprobs"][1:])
+        assert all(v <= 0 for v in lp["token_logprobs"][1:]) and all(len(t) <= 4 for t in lp["top_logprobs"][1:])
+        # the top 3 and the token at that place, when it is not among them
+        assert all(t in top for t, top in zip(lp["tokens"][1:], lp["top_logprobs"][1:]))
     again = _post(gw, "/v1/completions", body).json()
     assert [c["text"] for c in again["choices"]] == [c["text"] for c in r["choices"]]  # seeded: reproducible
     assert all(c["text"].startswith("cde") for c in r["choices"][3:])
@@ -148,7 +150,7 @@ def test_chat_logprobs(oai):
     ("path", "body", "status", "param"),
     [
         ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-        ("/v1/completions", {"prompt": "x", "temperature": 5}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
         ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
         ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
         ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
@@ -156,7 +158,11 @@ def test_chat_logprobs(oai):
         ("/v1/completions", {"prompt": ""}, 400, "prompt"),
         ("/v1/completions", {"prompt": [], "max_tokens": 3}, 400, "prompt"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 200000}, 400, "max_tokens"),
-        ("/v1/completions", {"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+        ("/v1/completions", {"prompt": "x", "presence_penalty": 5.0}, 400, "presence_penalty"),
+        ("/v1/completions", {"prompt": "x", "frequency_penalty": 5.0}, 400, "frequency_penalty"),
+        ("/v1/completions", {"prompt": "x", "beam_width": 4}, 400, "beam_width"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400,
+         "response_format"),
         ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
         ("/v1/completions", {"prompt": None}, 422, None),
         ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 422, None),
@@ -333,3 +339,39 @@ def test_non_streaming_client_that_leaves_is_aborted(gw):
         time.sleep(0.3)
     else:
         raise AssertionError(f"the request kept decoding after its client left: {st}")
+
+
+def test_agent_controls_with_the_real_model(oai, gw, tiny_model):
+    """What the real model can show of the agent surface: tools and thinking are in the prompt it is given, a
+    final message is continued, the model can be retrieved, the tokenizer described; a greedy token biased
+    by -100 is not drawn again (or logit_bias is refused by name where the sampler lacks it)."""
+    openai = pytest.importorskip("openai")
+    msgs = [{"role": "user", "content": "what is the weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+                                                                                     "properties": {"city": {"type": "string"}}}}}]
+    common = {"model": "tiny", "max_tokens": 4, "temperature": 0}
+    plain = oai.chat.completions.create(messages=msgs, **common)
+    with_tools = oai.chat.completions.create(messages=msgs, tools=tools, tool_choice="auto", **common)
+    thinking = oai.chat.completions.create(messages=msgs, extra_body={"chat_template_kwargs": {"thinking": True}}, **common)
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens
+    assert thinking.usage.prompt_tokens > plain.usage.prompt_tokens
+    tok = gw.service.tokenizer
+    partial = msgs + [{"role": "assistant", "content": "It is"}]
+    cont = oai.chat.completions.create(messages=partial, extra_body={"continue_final_message": True, "add_generation_prompt": False},
+                                       **common)
+    assert cont.usage.prompt_tokens == len(tok.encode("<|user|>what is the weather in Paris?\n<|assistant|>It is",
+                                                      add_special_tokens=False))
+    assert oai.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("gpt-9")
+    info = httpx.get(gw.url + "/tokenizer_info").json()
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+    assert httpx.get(gw.url + "/version").json()["version"]
+    ids = [0, 78, 107, 108, 38, 115, 103]
+    first = _plain(tiny_model, ids, 1, ignore_eos=True).token_ids[0]  # the greedy token
+    biased = _post(gw, "/v1/completions", {"prompt": ids, "max_tokens": 1, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+                                           "logit_bias": {str(first): -100}})
+    if biased.status_code == 400:
+        assert biased.json()["error"]["param"] == "logit_bias"
+    else:
+        assert biased.json()["choices"][0]["logprobs"]["tokens"][0] != tok.decode([first], skip_special=False)
