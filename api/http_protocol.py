@@ -27,11 +27,21 @@ _TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconne
 
 
 class _HeaderDeadline:
-    """The deadline itself; the subclasses say when a request's headers start and end."""
+    """The deadline itself, armed when a connection opens and cleared when it closes (it comes first in each
+    protocol's bases, so these run around uvicorn's own); the subclasses say when a request's headers start and end."""
 
-    def _init_deadline(self, config) -> None:
+    def __init__(self, config, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
         self._header_timeout_s = float(getattr(config, HEADER_TIMEOUT_ATTR, HEADER_TIMEOUT_S))
         self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def connection_lost(self, exc) -> None:
+        self._clear_header_deadline()
+        super().connection_lost(exc)
 
     def _arm_header_deadline(self) -> None:
         if self._header_timer is None:
@@ -52,18 +62,6 @@ class _HeaderDeadline:
 
 
 class H11HeaderTimeout(_HeaderDeadline, H11Protocol):
-    def __init__(self, config, *args, **kwargs) -> None:
-        super().__init__(config, *args, **kwargs)
-        self._init_deadline(config)
-
-    def connection_made(self, transport) -> None:
-        super().connection_made(transport)
-        self._arm_header_deadline()
-
-    def connection_lost(self, exc) -> None:
-        self._clear_header_deadline()
-        super().connection_lost(exc)
-
     def data_received(self, data: bytes) -> None:
         if self._waiting_for_headers():  # the first byte of a request after a finished one starts its clock
             self._arm_header_deadline()
@@ -79,18 +77,6 @@ if importlib.util.find_spec("httptools") is not None:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class HttpToolsHeaderTimeout(_HeaderDeadline, HttpToolsProtocol):
-        def __init__(self, config, *args, **kwargs) -> None:
-            super().__init__(config, *args, **kwargs)
-            self._init_deadline(config)
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm_header_deadline()
-
-        def connection_lost(self, exc) -> None:
-            self._clear_header_deadline()
-            super().connection_lost(exc)
-
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._arm_header_deadline()  # a no-op for the first request: its clock runs from the connection

@@ -16,22 +16,15 @@ Medians of `repeats` runs, in ms; the numbers are this machine's and are never a
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 import torch
 
-from bench.common import emit, environment, progress
+from bench.common import emit, environment, progress, time_per_call
 
 
 def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return round(float(np.median(times)) * 1000, 3)
+    return round(time_per_call(fn, repeats, warmup=1) * 1000, 3)
 
 
 def block_tables(rows: int, blocks: int, repeats: int) -> dict:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import emit, environment, progress
+from bench.common import emit, environment, open_rank, progress
 
 WEIGHT_LAYOUTS = ("dp2", "dp2+ep2", "tp2", "dp4+ep4")
 WIDE_LAYOUTS = ("tp4", "dp2xtp2+ep4", "dp4+ep4")
@@ -39,16 +39,10 @@ def _rank(rank: int, layout_text: str, port: int, model_dir: str, out_dir: str, 
     """One rank: load its shard, prefill its DP group's requests, time `steps` decode steps, write a record."""
     torch.set_num_threads(1)
     from cachetier.store import TieredStore
-    from core.parallel import ParallelLayout
     from core.roles import TierConfig
     from model.loader import load_model
-    from model.parallel import Comm
 
-    layout = ParallelLayout.parse(layout_text)
-    device = torch.device(f"cuda:{rank}" if device_kind == "cuda" else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    comm = Comm.open(layout, rank, f"tcp://127.0.0.1:{port}", device=device, timeout_s=600)
+    layout, device, comm = open_rank(layout_text, rank, port, device_kind, timeout_s=600)
     try:
         model = load_model(model_dir, device=device, shard=comm.shard).attach(comm if not layout.single else None)
         dp_rank, _ = layout.coords(rank)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import emit, environment, progress
+from bench.common import emit, environment, open_rank, progress
 
 MODES = ("eager", "auto")
 
@@ -45,18 +45,13 @@ def _rank(rank: int, layout_text: str, port: int, model_dir: str, out_dir: str, 
     next, so that both modes share whatever else the machine is doing; write a record."""
     torch.set_num_threads(1)
     from cachetier.store import TieredStore
-    from core.parallel import ParallelLayout
     from core.roles import StepConfig, TierConfig
     from core.types import SampledToken, SamplingParams
     from decode.worker import DecodeRequest, DecodeWorker
     from model.loader import load_model
-    from model.parallel import CollectiveStats, Comm
+    from model.parallel import CollectiveStats
 
-    layout = ParallelLayout.parse(layout_text)
-    device = torch.device(f"cuda:{rank}" if device_kind == "cuda" else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    comm = Comm.open(layout, rank, f"tcp://127.0.0.1:{port}", device=device, timeout_s=600)
+    layout, device, comm = open_rank(layout_text, rank, port, device_kind, timeout_s=600)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     try:
         model = load_model(model_dir, device=device, shard=comm.shard).attach(comm)

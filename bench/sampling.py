@@ -18,11 +18,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import statistics
-import time
 
 import torch
 
-from bench.common import emit, environment, progress
+from bench.common import emit, environment, time_by_turns
 from core.types import SamplingParams
 from model.sampling import SamplingBatch, index_column, sample, sample_tokens
 
@@ -84,17 +83,7 @@ def run_device(device: str, rows: int, vocab: int, repeats: int) -> dict:
 
     calls = {"old_sample": lambda: OldSampler.sample(logits, params, seeds, indices),
              "new_sample": lambda: sample(logits, params, seeds, indices), "new_step": step}
-    for fn in calls.values():  # warm up (allocator, kernels)
-        fn()
-        sync()
-    times: dict[str, list[float]] = {k: [] for k in calls}
-    for r in range(repeats):
-        for name, fn in calls.items():
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - t0)
-        progress(f"{device} repeat {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in times.items()))
+    times = time_by_turns(calls, repeats, sync, device)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"median_s": med, "all_s": times, "old_over_new_sample": med["old_sample"] / med["new_sample"],
             "old_over_new_step": med["old_sample"] / med["new_step"]}

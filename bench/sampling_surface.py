@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
-from bench.common import emit, environment, progress
+from bench.common import emit, environment, time_by_turns
 from core.types import SamplingParams
 from model.sampling import SamplingBatch, TokenHistory, index_column, process_logits, sample_step
 
@@ -62,17 +61,7 @@ def run_device(device: str, rows: int, vocab: int, repeats: int) -> dict:
              "controlled_step": lambda: sample_step(logits, sb_ctrl, index),
              "processors": lambda: process_logits(logits, sb_ctrl, index),
              "history_load": lambda: spare.load(spare_slot, ctrl[0], *seen[0])}
-    for fn in calls.values():
-        fn()
-        sync()
-    times: dict[str, list[float]] = {k: [] for k in calls}
-    for r in range(repeats):
-        for name, fn in calls.items():
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - t0)
-        progress(f"{device} repeat {r + 1}/{repeats}: " + ", ".join(f"{k} {v[-1] * 1e3:.1f} ms" for k, v in times.items()))
+    times = time_by_turns(calls, repeats, sync, device)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"median_s": med, "all_s": times, "controlled_over_base_step": med["controlled_step"] / med["base_step"],
             "history_bytes_per_row": vocab * 9 + TokenHistory.RING * 8}

@@ -260,14 +260,10 @@ def worker_rank_main(rank: int, layout_text: str, port: int, model_dir: str, out
     `decode_mode` per rank when a list; `step_kw`: more `StepConfig` fields."""
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from bench.common import open_rank
     from model.loader import load_model
-    from model.parallel import Comm
 
-    layout = ParallelLayout.parse(layout_text)
-    device = torch.device(f"cuda:{rank}" if device_kind == "cuda" else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    comm = Comm.open(layout, rank, f"tcp://127.0.0.1:{port}", device=device, timeout_s=120)
+    layout, device, comm = open_rank(layout_text, rank, port, device_kind, timeout_s=120)
     try:
         model = load_model(model_dir, shard=comm.shard, device=device).attach(comm)
         dp_rank, _ = layout.coords(rank)
