@@ -29,7 +29,6 @@ def _median_ms(fn, repeats: int) -> float:
 
 def block_tables(rows: int, blocks: int, repeats: int) -> dict:
     from cachetier.store import Resident, TieredStore
-    from cachetier.tiered_batch import TieredBatch
     from core.roles import TierConfig
     from model.builtin import ensure_builtin
     from model.config import load_config
@@ -47,7 +46,7 @@ def block_tables(rows: int, blocks: int, repeats: int) -> dict:
                                 np.array(b, dtype=np.int64), np.array(b, dtype=np.int64)))
         return out
 
-    view = TieredBatch(store, rows, blocks)
+    view = store.new_view(rows, blocks)
     sets = [residents() for _ in range(2)]
     k = [0]
 

@@ -427,7 +427,8 @@ class TieredStore(KVStore):
     def bucket_blocks(self, request_ids: list[str]) -> int:
         return self.context_blocks(list(map(self.residents.__getitem__, request_ids)))
 
-    def _new_view(self, num_rows: int, num_blocks: int) -> TieredBatch:
+    def new_view(self, num_rows: int, num_blocks: int) -> TieredBatch:
+        """A fresh step view of `num_rows` x `num_blocks` over this store (`step_view` keeps one per bucket)."""
         return TieredBatch(self.cfg, self.geo, self.arena, self.hot, self.device, num_rows, num_blocks)
 
     def step_view(
@@ -437,10 +438,10 @@ class TieredStore(KVStore):
         res = list(map(self.residents.__getitem__, request_ids))
         key = (num_rows, num_blocks or max(min_blocks, self.context_blocks(res)))
         if private:
-            view = self._new_view(*key)
+            view = self.new_view(*key)
         else:
             if key not in self._views:  # its buffers stay, so a graph captured on them replays with each step's contents
-                self._views[key] = self._new_view(*key)
+                self._views[key] = self.new_view(*key)
             view = self._views[key]
         view.load(res, tokens)
         return view
