@@ -261,7 +261,7 @@ def build_app(service, cfg: ServerConfig | None = None, manage_service: bool = T
         if body.best_of is not None and body.best_of != n:
             raise bad_request("best_of other than n is not supported", "best_of")
         constraint, asked_by = structure.requested(body)
-        g.check_structure(constraint, asked_by)
+        await g.check_structure(constraint, asked_by)
         echo = bool(body.echo)
         prompts, texts = await _prompts(g, body.prompt, echo, body.add_special_tokens)
         g.check_fanout(len(prompts), n)
@@ -288,7 +288,7 @@ def build_app(service, cfg: ServerConfig | None = None, manage_service: bool = T
         g.check_fanout(1, n)
         tools = tool_plan(body, g.tok.tool_call_format)
         constraint, asked_by = structure.requested(body, tools.structure)
-        g.check_structure(constraint, asked_by)
+        await g.check_structure(constraint, asked_by)
         prompt = await render_chat(g, body, tools.tools)
         if constraint is not None and prompt.in_reasoning:
             constraint = dataclasses.replace(constraint, after_reasoning=True)

@@ -116,6 +116,8 @@ class Gateway:
         self.metrics = metrics_factory(self.model_name, lambda: service.frontend.stats() if service.frontend else {})
         self.inflight = 0
         self.text = OffLoopTokenizer(self.tok, self.model_cfg.max_position_embeddings) if self.tok is not None else None
+        self.grammar = getattr(service, "grammar", None) if self.tok is not None else None
+        """The service's `model.grammar.GrammarEngine` (None: no tokenizer, no output constraints)."""
 
     def close(self) -> None:
         if self.text is not None:
@@ -149,14 +151,23 @@ class Gateway:
 
     @property
     def structured_outputs(self) -> bool:
-        """Whether this build enforces output constraints (a grammar engine on the workers says so on the service)."""
-        return bool(getattr(self.service, "structured_outputs", False))
+        """Whether output constraints are enforced here: the service has a grammar engine (its model has a
+        tokenizer, so there is text for a grammar to match)."""
+        return self.grammar is not None
 
-    def check_structure(self, structure: Structure | None, param: str | None) -> None:
-        """A request that asks for an output constraint runs only where one is enforced: a 400 otherwise."""
-        if structure is not None and not self.structured_outputs:
-            raise bad_request(f"structured outputs are not enabled in this build ({param} asks for a {structure.kind} "
-                              "constraint, which no grammar engine here can enforce)", param)
+    async def check_structure(self, structure: Structure | None, param: str | None) -> None:
+        """A request that asks for an output constraint: its grammar compiled here, on the tokenizer pool (a
+        large schema takes milliseconds of C++), so one that cannot compile is a 400 naming `param` before any
+        token. The workers compile it again from their own cache."""
+        if structure is None:
+            return
+        if not self.structured_outputs:
+            raise bad_request(f"structured outputs are not enabled on this server ({param} asks for a {structure.kind} "
+                              "constraint; a grammar engine needs the model's tokenizer)", param)
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.text.pool, self.grammar.compile, structure, param)
+        except InvalidRequestError as e:
+            raise bad_request(str(e), e.param) from None
 
     def check_stream(self, body) -> None:
         if body.stream_options is not None and not body.stream:

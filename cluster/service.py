@@ -18,6 +18,7 @@ from core.roles import ServeConfig
 from core.types import TokenEvent
 from model.builtin import resolve_model_dir
 from model.config import end_of_sequence_ids, load_config
+from model.grammar import GrammarEngine
 from model.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class Service:
             raise ValueError(f"prefill layout {config.cluster.prefill_layout!r} has attention-TP groups, which run "
                              "without the prefix cache; turn --prefix-cache off or use a dpN[+epN] prefill layout")
         self.eos_ids = end_of_sequence_ids(self.model_dir, self.model_cfg, self.tokenizer.eos_token_ids if self.tokenizer else ())
+        self.grammar = GrammarEngine(self.tokenizer, self.model_cfg.vocab_size, self.eos_ids) if self.tokenizer else None
+        """The gateway's compile check of output constraints (`model.grammar`); the workers hold engines of their own."""
         self.actors: Actors | None = None
         self.frontend: Frontend | None = None
         self._owns_ray = False

@@ -24,6 +24,7 @@ from cluster.frontend import Output
 from core.roles import ServerConfig
 from core.types import PromptLogprob, SampledToken, TokenEvent
 from model.builtin import SHIPPED
+from model.grammar import GrammarEngine
 from model.tokenizer import load_tokenizer
 
 D = "\uff5cDSML\uff5c"
@@ -89,8 +90,18 @@ def _service(frontend, tokenizer=None, structured: bool = False) -> FakeService:
     if tokenizer is not None:
         s.tokenizer = tokenizer
     if structured:
-        s.structured_outputs = True
+        s.grammar = grammar_engine(s.tokenizer)
     return s
+
+
+_ENGINES = {}
+
+
+def grammar_engine(tokenizer) -> GrammarEngine:
+    """One engine per tokenizer for the module (building one reads the whole vocabulary)."""
+    if id(tokenizer) not in _ENGINES:
+        _ENGINES[id(tokenizer)] = (tokenizer, GrammarEngine(tokenizer, tokenizer.vocab_size))
+    return _ENGINES[id(tokenizer)][1]
 
 
 def run(service, fn):
@@ -689,6 +700,23 @@ def test_output_constraints_become_one_record_and_are_refused_until_enforced(tok
     assert plain.status_code == 200 and fe.requests[1].structure is None
     assert two.status_code == 400 and two.json()["error"]["param"] == "guided_regex"
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format.json_schema"
+
+
+def test_a_constraint_that_cannot_compile_is_a_400_naming_its_field_before_any_token(tok):
+    fe = TextFrontend(tok, "x")
+    strict_bad = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "frob"}}}
+    bad = post_all(
+        _service(fe, structured=True),
+        ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "frob"}}}}}}),
+        ("/v1/completions", {"prompt": "x", "guided_regex": "(ab"}),
+        ("/v1/chat/completions", {"messages": USER, "structured_outputs": {"grammar": 'root ::= "a" |'}}),
+        ("/v1/chat/completions", {"messages": USER, "tools": [strict_bad], "tool_choice": "required"}))
+    params = ["response_format", "guided_regex", "structured_outputs", "tool_choice"]
+    for r, param in zip(bad, params):
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert "cannot compile" in r.json()["error"]["message"]
+    assert not fe.requests  # refused before anything was generated
 
 
 # routes and the one prompt rule --------------------------------------------------------------------------
