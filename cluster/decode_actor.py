@@ -67,7 +67,7 @@ class DecodeActor(ReplicaRank):
 
         def build() -> None:  # on the step thread: the model, the store and the warm-up are all device work
             from cachetier.store import TieredStore
-            from cluster.prefill_actor import load_model_for_actor
+            from cluster.prefill_actor import grammar_engine, load_model_for_actor
             from decode.worker import DecodeWorker
 
             model = load_model_for_actor(model_spec, num_threads, stub, weights, kv_format, shard=shard, dtype=dtype)
@@ -75,7 +75,8 @@ class DecodeActor(ReplicaRank):
             self.store = TieredStore(model.cfg, tier, dtype=model.dtype, device=model.device)
             # a stand-in step writes no KV, so the idle check of what is stored would not hold
             self.worker = DecodeWorker(model, self.store, max_running=tier.max_running, eos_ids=eos_ids, faults=faults,
-                                       check_when_idle=stub is None, step_config=step)
+                                       check_when_idle=stub is None, step_config=step,
+                                       grammar=grammar_engine(model_spec, model, eos_ids))
             self.worker.before_forward = self._hand_on
             self.format = layout_format(model.cfg, model.dtype)
 

@@ -14,6 +14,7 @@ from core.request import Attempt, Request
 from core.roles import PrefillConfig, StepConfig, TierConfig
 from core.types import PromptLogprob, RequestFailed, TokenEvent
 from decode.worker import DecodeRequest, DecodeWorker
+from model.grammar import GrammarEngine
 from model.model import V4Model
 from prefill.worker import PrefillResult, PrefillWorker
 
@@ -47,15 +48,17 @@ class InProcessEngine:
         store: KVStore | None = None,
         eos_ids: tuple[int, ...] | None = None,
         step: StepConfig | None = None,
+        grammar: GrammarEngine | None = None,
     ) -> None:
-        """`eos_ids`: the model's end-of-sequence ids (`model.config.end_of_sequence_ids`); default: its config's."""
+        """`eos_ids`: the model's end-of-sequence ids (`model.config.end_of_sequence_ids`); default: its config's.
+        `grammar`: the engine constrained requests need (`model.grammar.GrammarEngine`)."""
         tier = tier or TierConfig()
         self.model = model
         self.eos_ids = model.cfg.eos_token_ids if eos_ids is None else eos_ids
-        self.prefill = PrefillWorker(model, prefill, eos_ids=self.eos_ids)
+        self.prefill = PrefillWorker(model, prefill, eos_ids=self.eos_ids, grammar=grammar)
         self.store = store if store is not None else TieredStore(model.cfg, tier, dtype=model.dtype, device=model.device)
         self.decode = DecodeWorker(model, self.store, max_running=tier.max_running, eos_ids=self.eos_ids,
-                                   step_config=step)
+                                   step_config=step, grammar=grammar)
 
     def generate(self, requests: Iterable[Request],
                  on_event: Callable[[TokenEvent], None] | None = None) -> dict[str, Completion]:

@@ -54,6 +54,15 @@ def load_model_for_actor(model_spec: str, num_threads: int, stub: StubConfig | N
     return model
 
 
+def grammar_engine(model_spec: str, model, eos_ids: tuple[int, ...] | None):
+    """A worker's grammar engine over the model directory's tokenizer (None when it has none)."""
+    from model.builtin import resolve_model_dir
+    from model.grammar import GrammarEngine
+
+    stops = model.cfg.eos_token_ids if eos_ids is None else eos_ids
+    return GrammarEngine.for_model_dir(resolve_model_dir(model_spec), model.cfg.vocab_size, stops)
+
+
 class PrefillActor(ReplicaRank):
     def __init__(self, model_spec: str, config: PrefillConfig, name: str, num_threads: int = 1,
                  eos_ids: tuple[int, ...] | None = None, deadlines: DeadlineConfig | None = None,
@@ -83,7 +92,7 @@ class PrefillActor(ReplicaRank):
             from prefill.worker import PrefillWorker
 
             self.model = load_model_for_actor(model_spec, num_threads, stub, weights, kv_format, shard=shard, dtype=dtype)
-            self.worker = PrefillWorker(self.model, config, eos_ids=eos_ids)
+            self.worker = PrefillWorker(self.model, config, eos_ids=eos_ids, grammar=grammar_engine(model_spec, self.model, eos_ids))
             self.format = layout_format(self.model.cfg, self.model.dtype)
 
         self.thread = StepThread(f"prefill-{name}", self._has_work, self._step, setup=build)

@@ -40,6 +40,7 @@ from core.request import Attempt, FailureKind, Request
 from core.roles import FaultConfig, StepConfig
 from core.types import SampledToken, SamplingParams, StepTokens, TokenEvent, finish_reason
 from decode.runner import StepRunner
+from model.grammar import GrammarEngine, GrammarMasks, GrammarState
 from model.model import V4Model
 from model.parallel import ReplicaBroken
 from model.sampling import SamplingBatch, TokenHistory, greedy_tokens, index_column, sample_batch
@@ -63,6 +64,9 @@ class DecodeRequest:
 
     def __post_init__(self) -> None:
         sp, a = self.attempt.sampling, self.attempt
+        if a.request.structure is not None and not a.generated and self.num_generated != 1:
+            raise ValueError(f"{a.key}: its grammar is rebuilt from its tokens, so the {self.num_generated} generated "
+                             "so far must come with it (Attempt.generated)")
         if not sp.needs_history:
             return
         if a.generated and (len(a.generated) != self.num_generated or a.generated[-1] != self.first_token.token_id):
@@ -143,6 +147,8 @@ class _Running:
     num_generated: int
     slot: int = field(default=-1)
     """Its row in the worker's `TokenHistory` (-1: its sampling does not look back)."""
+    grammar: GrammarState | None = None
+    """Its matcher, rebuilt at admission from its tokens so far (None: free text); it leaves with the request."""
 
 
 class _Group:
@@ -152,7 +158,7 @@ class _Group:
     columns, not its `_Running` objects, hold each request's last token and count (`sync` writes them back)."""
 
     __slots__ = ("ids", "runs", "params", "seeds", "slots", "tokens", "num_generated", "max_tokens", "stops", "plain",
-                 "faults", "sampling", "index")
+                 "faults", "sampling", "index", "grammars")
 
     def __init__(self, ids: list[str], runs: list[_Running], eos_ids: tuple[int, ...]) -> None:
         self.ids, self.runs = ids, runs
@@ -168,7 +174,9 @@ class _Group:
         self.stops = frozenset(stops)
         """Every token that ends some row (end-of-sequence and stop ids): only rows that drew one of these, or
         reached their length, are asked `finish_reason`."""
-        self.plain = all(p.plain for p in self.params)
+        self.grammars = [r.grammar for r in runs] if any(r.grammar is not None for r in runs) else None
+        """Each row's matcher (None for a free row); None when no row has one: then no mask is made at all."""
+        self.plain = all(p.plain for p in self.params) and self.grammars is None
         """Greedy on the raw logits without log-probabilities everywhere (no bias, penalty or mask either): a
         token id per row is all sampling has to give."""
         self.faults = {r.req.fault for r in runs} - {None}
@@ -196,7 +204,7 @@ class InjectedFault(RuntimeError):
 class DecodeWorker:
     def __init__(self, model: V4Model, store: KVStore, max_running: int = 64, eos_ids: tuple[int, ...] | None = None,
                  check_when_idle: bool = True, faults: FaultConfig | None = None,
-                 step_config: StepConfig | None = None) -> None:
+                 step_config: StepConfig | None = None, grammar: GrammarEngine | None = None) -> None:
         self.model = model
         self.store = store
         self.max_running = max_running
@@ -224,6 +232,11 @@ class DecodeWorker:
         """Token counts and recent tokens on the device, one row per running request whose sampling looks back
         (penalties, bad words of several tokens); made, `max_running` rows, when the first such request is
         admitted (running requests never outnumber `max_running`)."""
+        self.grammar = grammar
+        """Compiles the structures of constrained requests (None: a request with one is refused at admission)."""
+        self.masks: GrammarMasks | None = None
+        """The token bitmask of a constrained forward, host and device, `max_running` rows: made when the first
+        constrained request is admitted."""
         self._lock = threading.Lock()  # guards `reserved` (reservations come from other threads)
         self.steps = 0
         self.tokens_out = 0
@@ -344,15 +357,32 @@ class DecodeWorker:
                 self._fail(rid, r.owner, "its layout did not arrive within the reservation lease", FailureKind.LEASE)
 
     def _start(self, req: DecodeRequest) -> None:
-        """An admitted request joins the running set, its token history rebuilt here from its tokens so far
-        when its sampling looks back."""
+        """An admitted request joins the running set, its token history and its grammar's matcher rebuilt here
+        from its tokens so far when its sampling looks back or its output is constrained."""
+        state = None
+        if req.attempt.request.structure is not None:
+            try:
+                state = self._grammar_state(req)
+            except Exception as e:
+                log.exception("rebuilding the grammar of %s failed", req.request_id)
+                self.store.free(req.request_id)
+                self._fail(req.request_id, req.owner, f"its grammar could not be rebuilt: {e}", FailureKind.LAYOUT)
+                return
         slot = -1
         if req.sampling.needs_history:
             if self.history is None:
                 self.history = TokenHistory(self.max_running, self.model.cfg.vocab_size, self.model.device)
             slot = self.history.take(req.sampling, *req.tokens_so_far())
         self._running_changed()
-        self.running[req.request_id] = _Running(req, req.first_token.token_id, req.num_generated, slot)
+        self.running[req.request_id] = _Running(req, req.first_token.token_id, req.num_generated, slot, state)
+
+    def _grammar_state(self, req: DecodeRequest) -> GrammarState:
+        if self.grammar is None:
+            raise ValueError("this decode worker has no grammar engine (its model has no tokenizer)")
+        if self.masks is None:
+            self.masks = GrammarMasks(self.max_running, self.grammar.words, self.model.device)
+        sp = req.sampling
+        return self.grammar.state(req.attempt.request.structure, req.tokens_so_far()[1], sp.stop_token_ids)
 
     # the step ------------------------------------------------------------------------------------
 
@@ -438,8 +468,13 @@ class DecodeWorker:
                     g.sampling = SamplingBatch.build(g.params, g.seeds, logits.device, logits.shape[-1], eos_ids=self.eos_ids,
                                                      history=self.history, slots=g.slots)
                     g.index = index_column(g.num_generated.tolist(), logits.device)
-                sampled = sample_batch(logits, g.sampling, g.index)
+                mask = None if g.grammars is None else self.masks.fill(g.grammars)  # [rows, vocab/32] int32
+                sampled = sample_batch(logits, g.sampling, g.index, mask)
                 tokens = [t.token_id for t in sampled]
+            if g.grammars is not None:
+                for state, t in zip(g.grammars, tokens):
+                    if state is not None:
+                        state.accept(t)
         except Exception as e:
             if self.lockstep:
                 raise ReplicaBroken(f"a decode step failed on a replica rank: {type(e).__name__}: {e}") from e
@@ -460,9 +495,15 @@ class DecodeWorker:
         hit = g.stops.intersection(tokens)
         if hit:
             maybe = sorted(set(maybe).union(i for i, t in enumerate(tokens) if t in hit))
+        ended_grammar = set()
+        if g.grammars is not None:  # a grammar that took its last token (or was left) ends its request
+            ended_grammar = {i for i, state in enumerate(g.grammars) if state is not None and state.done}
+            maybe = sorted(set(maybe) | ended_grammar)
         reasons = {}
         for row in maybe:
             reason = finish_reason(tokens[row], int(counts[row]), g.params[row], self.eos_ids)
+            if reason is None and row in ended_grammar:
+                reason = "stop"
             if reason is not None:
                 reasons[row] = reason
                 ended.append(g.ids[row])

@@ -40,10 +40,11 @@ GRAMMAR_TEXT = ("<think>", THINK_CLOSE, DSML, "<tool_call>", "</tool_call>")
 every other special token is withheld, so a constraint's free text can never contain a role marker."""
 CACHE_SIZE = 256
 """Compiled grammars kept per engine (the most recently used). A compiled JSON schema is tens of KB."""
-MAX_WHITESPACE = 24
-"""Longest run of whitespace a JSON value may hold between tokens: JSON allows any, and a model that starts
-emitting blanks inside an object could otherwise fill max_tokens with them (24 covers indentation six levels
-deep)."""
+MAX_WHITESPACE = 2
+"""Longest run of whitespace a JSON value may hold between two of its tokens. JSON allows any, and a model that
+takes to blanks or newlines inside an object fills max_tokens with them and never closes it (the built-in model
+does, sampled); 2 keeps `json.dumps`' ", " and ": " and a newline with one space of indent, and a constrained
+reply is read by a parser, not by eye."""
 COMPILE_THREADS = 1
 """xgrammar's compile threads per engine: the workers compile on their step thread, the gateway on its pool."""
 _XGR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
@@ -230,3 +231,36 @@ class GrammarState:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write this request's allowed next tokens into row `row` of a host int32 bitmask [rows, words]."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+class GrammarMasks:
+    """A worker's bitmask for the rows of one sampling call: a host buffer [rows, words] int32 the matchers
+    write (pinned on CUDA, so the copy overlaps the step) and its device twin, both allocated once at the
+    worker's most rows. What a constrained batch passes to the sampler is a slice of the device buffer: the
+    same storage every step, written by one host-to-device copy, never a tensor made from host data inside a
+    step."""
+
+    def __init__(self, rows: int, words: int, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.host = torch.empty((rows, words), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        on_cpu = self.device.type == "cpu"
+        self.on_device = self.host if on_cpu else torch.empty((rows, words), dtype=torch.int32, device=self.device)
+        self.fill_s = 0.0
+        """Host time spent filling masks (the matchers' share of a constrained step)."""
+
+    def fill(self, states: Sequence[GrammarState | None]) -> torch.Tensor:
+        """The mask of a batch whose row i is constrained by `states[i]` (None: every token allowed) -> the
+        device buffer's first len(states) rows [rows, words] int32."""
+        t0 = time.perf_counter()
+        n = len(states)
+        host = self.host[:n]
+        host.fill_(-1)  # all 32 bits of every word: rows without a grammar allow everything
+        for i, s in enumerate(states):
+            if s is not None:
+                s.fill(self.host, i)
+        self.fill_s += time.perf_counter() - t0
+        if self.on_device is self.host:
+            return host
+        out = self.on_device[:n]
+        out.copy_(host, non_blocking=True)  # read before the next fill: sampling reads its tokens back first
+        return out

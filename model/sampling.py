@@ -706,14 +706,16 @@ def sample(
     logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], indices: Sequence[int],
     eos_ids: Sequence[int] = (),
     tokens_so_far: Sequence[tuple[Sequence[int], Sequence[int]] | None] | None = None,
+    token_bitmask: torch.Tensor | None = None,
 ) -> list[SampledToken]:
     """logits [batch, vocab] -> one token per row; `indices[i]` is the index of the token being generated.
     `eos_ids`: the model's end-of-sequence ids (what `min_tokens` holds back besides the stop ids);
     `tokens_so_far[i]`: row i's (prompt, generated) tokens, read by the rows that look back (penalties, bad
-    words; None: nothing seen). Builds the batch's tensors for this one call; a caller that samples the same
+    words; None: nothing seen); `token_bitmask`: a grammar engine's mask [batch, ceil(vocab/32)] int32 (see
+    `process_logits`). Builds the batch's tensors for this one call; a caller that samples the same
     rows step after step keeps a `SamplingBatch` (and a `TokenHistory`) and an `index_column` and calls
     `sample_batch`."""
     vocab = logits.shape[-1]
     history, slots = TokenHistory.for_rows(params, tokens_so_far, vocab, logits.device)
     sb = SamplingBatch.build(params, seeds, logits.device, vocab, eos_ids=eos_ids, history=history, slots=slots)
-    return sample_batch(logits, sb, index_column(indices, logits.device))
+    return sample_batch(logits, sb, index_column(indices, logits.device), token_bitmask)

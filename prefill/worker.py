@@ -23,7 +23,8 @@ from cachetier.layout import KVLayout, layout_format
 from cachetier.prefix import PrefixCache, PrefixHit
 from core.request import Attempt
 from core.roles import PrefillConfig
-from core.types import PromptLogprob, SampledToken, finish_reason
+from core.types import InvalidRequestError, PromptLogprob, SampledToken, finish_reason
+from model.grammar import GrammarEngine, GrammarMasks
 from model.model import V4Model
 from model.parallel import ReplicaBroken
 from model.sampling import sample
@@ -86,7 +87,7 @@ class PrefillFailure:
 
 class PrefillWorker:
     def __init__(self, model: V4Model, config: PrefillConfig | None = None, eos_ids: tuple[int, ...] | None = None,
-                 prefix_cache: PrefixCache | None = None) -> None:
+                 prefix_cache: PrefixCache | None = None, grammar: GrammarEngine | None = None) -> None:
         self.model = model
         self.config = config or PrefillConfig()
         self.eos_ids = model.cfg.eos_token_ids if eos_ids is None else eos_ids
@@ -107,10 +108,16 @@ class PrefillWorker:
         self.tp_role: str | None = None
         """`leader` or `follower` in an attention-TP group (`join_replica`); None otherwise."""
         self._journal: list[tuple[str, object]] = []  # a TP leader's submits and aborts since its last step
+        self.grammar = grammar
+        """Compiles the structures of constrained requests, whose first token is sampled under their grammar."""
+        self.masks: GrammarMasks | None = None
 
     def submit(self, req: Attempt) -> None:
         cfg = self.model.cfg
         req.request.check(cfg.vocab_size, cfg.max_position_embeddings)
+        if req.request.structure is not None and self.grammar is None:
+            raise InvalidRequestError("this prefill worker has no grammar engine (its model has no tokenizer), so it "
+                                      "cannot constrain the output")
         if req.key in self.pending:
             raise ValueError(f"request {req.key} is already queued")
         self.pending[req.key] = _Pending(req)
@@ -296,15 +303,27 @@ class PrefillWorker:
             tops = [tuple(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
         p.logprobs += [PromptLogprob(t, c, tp) for t, c, tp in zip(ids.tolist(), chosen, tops)]
 
+    def _first_mask(self, fresh: list[_Pending]) -> torch.Tensor | None:
+        """The grammar mask of the first tokens of `fresh` [rows, vocab/32] int32; None when none is constrained."""
+        structures = [p.req.request.structure for p in fresh]
+        if all(s is None for s in structures):
+            return None
+        if self.masks is None:
+            self.masks = GrammarMasks(self.config.max_batch_requests, self.grammar.words, self.model.device)
+        return self.masks.fill([None if s is None else self.grammar.state(s, (), p.req.sampling.stop_token_ids)
+                                for p, s in zip(fresh, structures)])
+
     def _finish(self, finished: list[tuple[_Pending, torch.Tensor]]) -> list[PrefillResult]:
         fresh = [(p, lo) for p, lo in finished if not p.req.generated and p.req.sampling.max_tokens > 0]
         sampled = {}
         if fresh:
             # the first token goes through the same processors as every later one: penalties see the prompt
-            # (nothing is generated yet), min_tokens counts this token as the first
+            # (nothing is generated yet), min_tokens counts this token as the first; a constrained request's
+            # grammar masks it (decode rebuilds the matcher from it)
             toks = sample(torch.cat([lo for _, lo in fresh]), [p.req.sampling for p, _ in fresh],
                           [p.req.seed for p, _ in fresh], [0] * len(fresh), eos_ids=self.eos_ids,
-                          tokens_so_far=[(p.req.prompt_token_ids, ()) for p, _ in fresh])
+                          tokens_so_far=[(p.req.prompt_token_ids, ()) for p, _ in fresh],
+                          token_bitmask=self._first_mask([p for p, _ in fresh]))
             sampled = {p.req.key: t for (p, _), t in zip(fresh, toks)}
         done = []
         for p, _ in finished:
