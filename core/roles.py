@@ -28,6 +28,28 @@ def format_bytes(n: int | float) -> str:
     return f"{int(n)} B"
 
 
+class FieldError(ValueError):
+    """A config field set to a value that can never serve. It names the class and the field, so that a front end
+    can name its own spelling of it (the command line names the flag)."""
+
+    def __init__(self, cls: type, name: str, problem: str) -> None:
+        self.cls, self.name, self.problem = cls, name, problem
+        super().__init__(f"{cls.__name__}.{name} {problem}")
+
+
+def _at_least(obj, **least: float) -> None:
+    """Raise `FieldError` for the first field of `obj` below its least value; None (a field's derived default)
+    always passes."""
+    for name, low in least.items():
+        value = getattr(obj, name)
+        if value is not None and value < low:
+            raise FieldError(type(obj), name, f"must be at least {_num(low)}, got {_num(value)}")
+
+
+def _num(value: float) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """How a decode worker holds KV: what stays on the device, what goes to the host pool."""
@@ -47,6 +69,10 @@ class TierConfig:
     """Tokens per classical block (a multiple of both compress rates); default: at least 256."""
     max_running: int = 64
     """Most requests decoding at once; their fixed-size state slots are carved from the budget."""
+
+    def __post_init__(self) -> None:
+        # whether the budget holds a request depends on the model: `cachetier.geometry.Geometry` decides that
+        _at_least(self, max_running=1, device_budget_bytes=1, host_pool_bytes=0, block_tokens=1)
 
 
 STATE_POLICIES = ("last", "every")
@@ -77,8 +103,7 @@ class PrefixCacheConfig:
     def __post_init__(self) -> None:
         if self.state_policy not in STATE_POLICIES:
             raise ValueError(f"state_policy must be one of {STATE_POLICIES}, got {self.state_policy!r}")
-        if self.host_bytes < 0 or self.disk_bytes < 0:
-            raise ValueError("prefix cache byte budgets must be >= 0")
+        _at_least(self, host_bytes=0, disk_bytes=0, page_tokens=1, affinity_slack_tokens=0)
         if self.disk_bytes and not self.directory:
             raise ValueError("a disk tier for the prefix cache needs a directory (--prefix-cache-dir)")
 
@@ -122,6 +147,7 @@ class StepConfig:
     compiled kernels; default: TORCHINDUCTOR_CACHE_DIR if set, else Inductor's own default."""
 
     def __post_init__(self) -> None:
+        _at_least(self, capture_context_tokens=1)
         if self.decode_mode not in DECODE_MODES:
             raise ValueError(f"decode_mode {self.decode_mode!r} is not one of {DECODE_MODES}")
         if self.compile_backend not in COMPILE_BACKENDS:
@@ -150,10 +176,7 @@ class PrefillConfig:
     """The prefix cache (off by default)."""
 
     def __post_init__(self) -> None:
-        if self.max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens must be at least 1, got {self.max_batch_tokens}")
-        if self.entry_tile < 1:
-            raise ValueError(f"entry_tile must be at least 1 (512 is a good start), got {self.entry_tile}")
+        _at_least(self, max_batch_tokens=1, max_batch_requests=1, entry_tile=1)
 
 
 PLACEMENTS = ("resources", "any")
@@ -217,6 +240,9 @@ class ClusterConfig:
         return self.num_decode * ParallelLayout.parse(self.decode_layout).world
 
     def __post_init__(self) -> None:
+        # Ray takes 0 CPUs or GPUs (an actor that reserves none); -1 restarts: without limit
+        _at_least(self, num_prefill=1, num_decode=1, prefill_num_cpus=0, decode_num_cpus=0, prefill_num_gpus=0,
+                  decode_num_gpus=0, max_restarts=-1)
         if self.placement is None:
             object.__setattr__(self, "placement", "any" if self.address is None else "resources")
         if self.placement not in PLACEMENTS:
@@ -255,6 +281,12 @@ class ServerConfig:
     api_workers: int = 1
     """Gateway processes serving the same port, sharing the same actors; each owns its requests."""
 
+    def __post_init__(self) -> None:
+        _at_least(self, port=1, max_concurrent_requests=1, max_sequences_per_request=1, max_body_bytes=1,
+                  stream_interval=1, api_workers=1)
+        if self.port > 65535:
+            raise FieldError(ServerConfig, "port", f"must be at most 65535, got {self.port}")
+
 
 @dataclass(frozen=True)
 class DeadlineConfig:
@@ -285,11 +317,11 @@ class DeadlineConfig:
         for name in ("queue_timeout_s", "prefill_timeout_s", "handoff_timeout_s", "token_timeout_s",
                      "subscriber_timeout_s", "step_hang_s"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0")
-        if self.max_request_retries < 0 or self.max_queued_requests < 1:
-            raise ValueError("max_request_retries must be >= 0 and max_queued_requests >= 1")
+                raise FieldError(DeadlineConfig, name, f"must be > 0, got {_num(getattr(self, name))}")
+        _at_least(self, max_request_retries=0, max_queued_requests=1)
         if self.subscriber_timeout_s <= POLL_INTERVAL_S * 2:
-            raise ValueError(f"subscriber_timeout_s must exceed twice the {POLL_INTERVAL_S} s output poll")
+            raise FieldError(DeadlineConfig, "subscriber_timeout_s", f"must exceed twice the {POLL_INTERVAL_S:g} s output "
+                             f"poll, got {_num(self.subscriber_timeout_s)}")
 
     @property
     def reservation_lease_s(self) -> float:

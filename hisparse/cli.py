@@ -21,6 +21,7 @@ from core.roles import (
     STATE_POLICIES,
     ClusterConfig,
     DeadlineConfig,
+    FieldError,
     PrefillConfig,
     PrefixCacheConfig,
     ServeConfig,
@@ -136,6 +137,17 @@ PREFILL = [
 ]
 
 
+FLAG_OF = {(f.cls, f.name): f.flag for flags in (SAMPLING, MODEL, TIER, STEP, PREFIX_CACHE, SERVER, DEADLINES, CLUSTER, PREFILL)
+           for f in flags}
+"""The flag that sets each config field, to name it in a refusal."""
+
+
+def refusal(command: str, e: ValueError) -> str:
+    """The one line a command prints when it refuses its configuration: the flag named as it was typed."""
+    text = f"{FLAG_OF.get((e.cls, e.name), e.name)} {e.problem}" if isinstance(e, FieldError) else str(e)
+    return f"hisparse {command}: " + " ".join(text.split())
+
+
 def tier_config(args: argparse.Namespace) -> TierConfig:
     return config(TierConfig, args)
 
@@ -228,10 +240,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from hisparse import preflight
+
     try:
         config = serve_config(args)
+        preflight.check_serve(config)  # before Ray: what can never serve is refused in seconds, in one line
     except ValueError as e:
-        print(f"hisparse serve: {e}", file=sys.stderr)
+        print(refusal("serve", e), file=sys.stderr)
         return 2
     from cluster.auth import choose_auth_mode
 
@@ -244,6 +259,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from cluster.inprocess import InProcessEngine
     from core.request import Request
+    from hisparse import preflight
     from model.builtin import resolve_model_dir
     from model.loader import load_model
     from model.tokenizer import load_tokenizer
@@ -251,12 +267,13 @@ def _generate(args: argparse.Namespace) -> int:
     try:
         params = config(SamplingParams, args)
         tier, step = tier_config(args), step_config(args)
+        what = config(ServeConfig, args)  # the model flags: model, dtype, weights, kv_format
+        preflight.check_generate(what, tier)
     except ValueError as e:
-        print(f"hisparse generate: {e}", file=sys.stderr)
+        print(refusal("generate", e), file=sys.stderr)
         return 2
     from core import device
 
-    what = config(ServeConfig, args)  # the model flags: model, dtype, weights, kv_format
     model_dir = resolve_model_dir(what.model)
     dev = device.current()
     device.configure_math(dev.kind)

@@ -183,6 +183,31 @@ def _rank_part(raw: str, t, cfg: ModelConfig, shard: Shard):
         raise CheckpointError(str(e)) from None
 
 
+_HEADER_LIMIT = 100 * 2**20
+"""The largest safetensors header a file may have (safetensors' own limit): a larger length field is corruption."""
+
+
+def _check_length(f: Path) -> None:
+    """A safetensors file is an 8-byte header length, the JSON header, then exactly the bytes its tensors' offsets
+    cover. A shorter file was cut off (a partial copy or download): found here from its size and header alone,
+    with the remedy, before anything maps it (a read past the end of a mapped file kills the process)."""
+    size = f.stat().st_size
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little") if size >= 8 else 0
+        if size < 8 or n > _HEADER_LIMIT:
+            raise CheckpointError(f"{f} is not a safetensors file ({size} bytes, header length {n}); copy it again")
+        if 8 + n > size:
+            raise CheckpointError(f"{f} is truncated: {size} bytes, its header alone takes {8 + n}; copy or download it again")
+        try:
+            header = json.loads(fh.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            raise CheckpointError(f"{f} has a malformed safetensors header ({e!r}); copy or download it again") from None
+    if 8 + n + end != size:
+        what = "truncated" if 8 + n + end > size else "longer than its header describes"
+        raise CheckpointError(f"{f} is {what}: {size} bytes, its header describes {8 + n + end}; copy or download it again")
+
+
 class _Checkpoint:
     """A checkpoint's files, held open (memory-mapped) for one load. `sources` describes every tensor this rank
     reads (other ranks' experts and the MTP block left out); `read` hands one over, only this rank's slice of it."""
@@ -200,6 +225,7 @@ class _Checkpoint:
             raise
 
     def _scan(self, f: Path) -> None:
+        _check_length(f)
         try:
             fh = self._handles[f] = self._files.enter_context(safe_open(str(f), framework="pt"))
             for k in fh.keys():
@@ -455,8 +481,8 @@ def _plan_experts(
     return keep
 
 
-def _fill(model: V4Model, ckpt: _Checkpoint, targets: dict[str, _Target]) -> None:
-    """Check names and shapes against the model (before reading a byte), then write every tensor in place."""
+def _check_targets(model: V4Model, targets: dict[str, _Target]) -> None:
+    """The plan makes exactly the model's tensors, each in the model's shape (a meta model does: shapes only)."""
     want = model.state_dict()
     missing = sorted(set(want) - set(targets))
     unexpected = sorted(set(targets) - set(want))
@@ -467,6 +493,12 @@ def _fill(model: V4Model, ckpt: _Checkpoint, targets: dict[str, _Target]) -> Non
     for name, dst in want.items():
         if targets[name].shape != tuple(dst.shape):
             raise CheckpointError(f"tensor {name}: checkpoint shape {targets[name].shape}, model expects {tuple(dst.shape)}")
+
+
+def _fill(model: V4Model, ckpt: _Checkpoint, targets: dict[str, _Target]) -> None:
+    """Check names and shapes against the model (before reading a byte), then write every tensor in place."""
+    _check_targets(model, targets)
+    want = model.state_dict()
     with torch.no_grad():
         for name, dst in want.items():
             for f in targets[name].fills:  # each source is read, written and released before the next
@@ -501,6 +533,23 @@ def load_model(
     time), so beyond the model itself a load holds about one tensor (docs/weights.md has the measured peaks).
     """
     model_dir = Path(model_dir)
+    cfg = model_config(model_dir, name, kv_format, shard)
+    with _Checkpoint(model_dir, cfg, shard) as ckpt:
+        targets, kinds = _plan(ckpt, weights, cfg, shard)
+        model = build_empty(cfg, dtype, device, packed=kinds, shard=shard, init=False)
+        _fill(model, ckpt, targets)
+    log.info(
+        "loaded %s (%d layers, %.1fM parameters, %d modules packed, %.1f MB resident%s)",
+        model_dir, cfg.num_layers, num_params(model) / 1e6, len(kinds), resident_bytes(model) / 1e6,
+        "" if shard.whole else f"; shard tp {shard.tp_rank}/{shard.tp}, ep {shard.ep_rank}/{shard.ep}",
+    )
+    return model.eval()
+
+
+def model_config(model_dir: str | Path, name: str | None = None, kv_format: str | None = None,
+                 shard: Shard = WHOLE) -> ModelConfig:
+    """The config `load_model` builds its model from (`kv_format` and `shard` as there)."""
+    model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model directory {model_dir} does not exist")
     cfg = load_config(model_dir, name=name)
@@ -515,16 +564,21 @@ def load_model(
                 ParallelLayout(dp=shard.ep, expert_parallel=True).check(cfg)
         except ValueError as e:
             raise CheckpointError(str(e)) from None
+    return cfg
+
+
+def check_checkpoint(model_dir: str | Path, weights: str = WEIGHTS_PACKED, kv_format: str | None = None,
+                     shard: Shard = WHOLE) -> ModelConfig:
+    """What `load_model` checks before it reads a weight, without reading one: config.json, every file's length
+    against its header, then the plan's tensor names, shapes and scale layouts against a model of the config
+    built on the meta device (float FP4 block scales, which the plan reads to decide their packing, aside).
+    Raises `CheckpointError` / `ConfigError` naming the file or tensor; returns the model's config."""
+    model_dir = Path(model_dir)
+    cfg = model_config(model_dir, kv_format=kv_format, shard=shard)
     with _Checkpoint(model_dir, cfg, shard) as ckpt:
         targets, kinds = _plan(ckpt, weights, cfg, shard)
-        model = build_empty(cfg, dtype, device, packed=kinds, shard=shard, init=False)
-        _fill(model, ckpt, targets)
-    log.info(
-        "loaded %s (%d layers, %.1fM parameters, %d modules packed, %.1f MB resident%s)",
-        model_dir, cfg.num_layers, num_params(model) / 1e6, len(kinds), resident_bytes(model) / 1e6,
-        "" if shard.whole else f"; shard tp {shard.tp_rank}/{shard.tp}, ep {shard.ep_rank}/{shard.ep}",
-    )
-    return model.eval()
+        _check_targets(build_empty(cfg, device="meta", packed=kinds, shard=shard, init=False), targets)
+    return cfg
 
 
 def build_empty(
