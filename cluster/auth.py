@@ -23,8 +23,9 @@ def choose_auth_mode(address: str | None) -> str:
     """Decide Ray's token authentication before ray is imported, and say what was decided.
 
     Joining a cluster: token mode when a token is at hand (`token_auth_for_join`). The embedded instance:
-    token mode, explicitly — its actors are reached only through 127.0.0.1, but Ray's own ports listen
-    on every interface, so they stay authenticated (Ray creates ~/.ray/auth_token when there is none).
+    token mode, explicitly — its ports listen on 127.0.0.1 only (`cluster.launch.start_ray`), and the token
+    keeps the machine's other users and processes out of them too (Ray creates ~/.ray/auth_token when there
+    is none).
     An explicit RAY_AUTH_MODE always wins.
     """
     import logging
@@ -35,8 +36,8 @@ def choose_auth_mode(address: str | None) -> str:
         log.info("Ray token authentication: %s (RAY_AUTH_MODE)", mode)
     elif address is None:
         os.environ["RAY_AUTH_MODE"] = mode = "token"
-        log.info("embedded Ray: token authentication on (Ray's ports listen on all interfaces; the token is "
-                 "~/.ray/auth_token); set RAY_AUTH_MODE=disabled to turn it off")
+        log.info("embedded Ray: token authentication on (its ports listen on 127.0.0.1 only; the token, "
+                 "~/.ray/auth_token, keeps other local users out); set RAY_AUTH_MODE=disabled to turn it off")
     else:
         mode = "token" if token_auth_for_join(address) else "cluster default"
         log.info("joining %s: Ray token authentication %s", address, mode)

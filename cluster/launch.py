@@ -21,6 +21,7 @@ from functools import partial
 
 import ray
 
+from cluster import reaper
 from cluster.decode_actor import DecodeActor
 from cluster.prefill_actor import PrefillActor
 from cluster.protocol import COLLECTIVE_TRANSPORTS, NAMESPACE, ROLE_DECODE, ROLE_PREFILL, TRANSPORTS, DecodeInfo, PrefillInfo
@@ -32,7 +33,9 @@ log = logging.getLogger(__name__)
 
 
 def start_ray(cfg: ClusterConfig, num_cpus: int | None = None) -> None:
-    """Join `cfg.address`, or start an embedded local instance bound to 127.0.0.1."""
+    """Join `cfg.address`, or start an embedded local instance that is private to this process: every port it
+    opens is on 127.0.0.1 (`_loopback_only`), and every process it starts ends when this one does
+    (`cluster.reaper`). A joined cluster keeps Ray's own settings."""
     if ray.is_initialized():
         return
     env = {"env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}
@@ -41,13 +44,37 @@ def start_ray(cfg: ClusterConfig, num_cpus: int | None = None) -> None:
     if cfg.address is None:
         need = cfg.prefill_actors * cfg.prefill_num_cpus + cfg.decode_actors * cfg.decode_num_cpus
         cpus = num_cpus if num_cpus is not None else max(int(need + 0.999), os.cpu_count() or 1)
+        _loopback_only()
+        reaper.start_reaper()  # before ray.init: every process Ray starts inherits the owner's mark
         ray.init(address="local", num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                  runtime_env=env, resources={ROLE_PREFILL: cfg.prefill_actors, ROLE_DECODE: cfg.decode_actors},
                  _system_config={"max_direct_call_object_size": INLINE_ARG_BYTES})
-        log.info("started an embedded Ray instance with %d CPUs", cpus)
+        # the processes that rename themselves lose the environment mark; their log files in here keep them found
+        reaper.tell(ray._private.worker._global_node.get_session_dir_path())
+        log.info("started an embedded Ray instance with %d CPUs on %s, private to this process", cpus,
+                 ray.util.get_node_ip_address())
     else:
         ray.init(address=cfg.address, runtime_env=env)
         log.info("joined the Ray cluster at %s", cfg.address)
+
+
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _loopback_only() -> None:
+    """Make the embedded instance bind 127.0.0.1 alone.
+
+    Ray (2.x on Linux) runs in "cluster" mode unless this variable is 0: it then rewrites a node address of
+    127.0.0.1 to the machine's outward address (`services.resolve_ip_for_localhost`), and the GCS, the raylet's
+    node and object managers, the workers' gRPC servers and the dashboard and runtime-env agents all bind that
+    address or every interface. With it at 0 the node address stays 127.0.0.1, and each of them binds loopback
+    (the agents' metrics export port included). Ray reads it once, at import: the process environment carries
+    it to every process Ray starts, and this process's copy of the constant is set to match, since ray is
+    imported by the time this runs."""
+    from ray._private import ray_constants
+
+    os.environ[LOCAL_ONLY_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 INLINE_ARG_BYTES = 2 * 2**20
