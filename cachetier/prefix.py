@@ -399,7 +399,7 @@ class PrefixCache:
             self.disk_lru.move_to_end(part.key)
 
     def _evict_host(self) -> None:
-        while self.host_bytes > self.config.host_bytes:
+        while self.host_bytes > self.config.host_budget:
             part = next((p for p in self.host_lru.values() if p.node.refs == 0 and not p.writing), None)
             if part is None:
                 return  # everything left is in use or waiting for its file

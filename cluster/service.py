@@ -35,9 +35,6 @@ class Service:
         self.tokenizer: Tokenizer | None = load_tokenizer(self.model_dir)
         for text in (config.cluster.prefill_layout, config.cluster.decode_layout):  # a clear error before any actor starts
             ParallelLayout.parse(text).check(self.model_cfg)
-        if ParallelLayout.parse(config.cluster.prefill_layout).tp > 1 and config.prefill.prefix_cache.enabled:
-            raise ValueError(f"prefill layout {config.cluster.prefill_layout!r} has attention-TP groups, which run "
-                             "without the prefix cache; turn --prefix-cache off or use a dpN[+epN] prefill layout")
         self.eos_ids = end_of_sequence_ids(self.model_dir, self.model_cfg, self.tokenizer.eos_token_ids if self.tokenizer else ())
         self.grammar = GrammarEngine(self.tokenizer, self.model_cfg.vocab_size, self.eos_ids) if self.tokenizer else None
         """The gateway's compile check of output constraints (`model.grammar`); the workers hold engines of their own."""

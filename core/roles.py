@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import cache
 
 from core.parallel import ParallelLayout
 
@@ -83,10 +84,14 @@ class PrefixCacheConfig:
     """The prefill side's prefix cache (docs/prefix-cache.md): classical entries shared per page, window ring
     and compressor state snapshotted at chosen page boundaries, in host memory with a disk tier below."""
 
-    enabled: bool = False
-    """Look prompts up in the cache and resume prefill from the longest cached prefix (`--prefix-cache on`)."""
-    host_bytes: int = 1 << 30
-    """Host bytes for cached pages and state snapshots; past it the least recently used go to disk (or away)."""
+    enabled: bool | None = None
+    """Look prompts up in the cache and resume prefill from the longest cached prefix; default: on wherever it can
+    run. None (the default) is on, except in an attention-TP prefill group, which runs without it
+    (`PrefillWorker.join_replica`); True asks for it (an error with a TP prefill layout); False turns it off."""
+    host_bytes: int | None = None
+    """Host bytes for cached pages and state snapshots; default min(1 GiB, 1/16 of the prefill machine's memory).
+    Past it the least recently used go to disk (or away). The default is worked out on the machine that holds
+    the cache (`host_budget`), so each prefill node of a cluster sizes its own."""
     disk_bytes: int = 0
     """Bytes of the disk tier under `directory`; 0 turns the disk tier off."""
     directory: str | None = None
@@ -108,8 +113,60 @@ class PrefixCacheConfig:
             raise ValueError("a disk tier for the prefix cache needs a directory (--prefix-cache-dir)")
 
     @property
+    def wanted(self) -> bool:
+        """Whether a prefill worker builds the cache (on unless turned off; a TP group drops an unasked one)."""
+        return self.enabled is not False
+
+    @property
+    def host_budget(self) -> int:
+        """`host_bytes`, or the default for this machine (`default_prefix_host_bytes`)."""
+        return self.host_bytes if self.host_bytes is not None else default_prefix_host_bytes()
+
+    @property
     def disk_enabled(self) -> bool:
         return bool(self.disk_bytes and self.directory)
+
+
+PREFIX_HOST_CAP = 1 << 30
+PREFIX_HOST_SHARE = 16
+
+
+@cache
+def default_prefix_host_bytes() -> int:
+    """The prefix cache's default host budget: min(1 GiB, 1/16 of the memory this process may use).
+
+    Why these numbers: the cache is on by default, so its default must be safe on the smallest machine that
+    serves. On the embedded default one machine also holds the model (twice: a prefill and a decode actor),
+    each decode actor's host pool (8 x its device budget) and Ray's object store (30 % of memory by Ray's
+    default), so the cache takes a sixteenth: 512 MiB on an 8 GiB laptop or pod. 1 GiB caps it where memory
+    is plentiful: a few thousand pages of the built-in model, several long shared prompts of a large one;
+    more is a choice (`--prefix-cache-host-bytes`). Memory is the lower of MemTotal and this process's cgroup
+    limit, because a container sees the whole node's MemTotal; unreadable (not Linux): the 1 GiB cap."""
+    limit = memory_limit_bytes()
+    return PREFIX_HOST_CAP if limit is None else min(PREFIX_HOST_CAP, limit // PREFIX_HOST_SHARE)
+
+
+def memory_limit_bytes() -> int | None:
+    """The memory this process may use: MemTotal, or its cgroup's limit (v2 or v1) where that is lower; None
+    where neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    found.append(int(line.split()[1]) * 1024)
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" (v2) is no limit; v1 writes a huge number for none, which min() passes over
+            found.append(int(text))
+    return min(found) if found else None
 
 
 DECODE_MODES = ("auto", "eager", "compiled")
@@ -173,7 +230,7 @@ class PrefillConfig:
     `max_batch_tokens` it bounds a chunk's transient memory whatever the context (docs/long-context.md).
     Multiples of 64 waste nothing (the indexer scores entries in groups of 64)."""
     prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
-    """The prefix cache (off by default)."""
+    """The prefix cache (on wherever it can run)."""
 
     def __post_init__(self) -> None:
         _at_least(self, max_batch_tokens=1, max_batch_requests=1, entry_tile=1)
@@ -387,3 +444,9 @@ class ServeConfig:
     faults: FaultConfig = field(default_factory=FaultConfig)
     stub: StubConfig | None = None
     """Benchmark mode (`bench.serving_path`): stand-in model steps; None serves the model."""
+
+    def __post_init__(self) -> None:
+        layout = self.cluster.prefill_layout
+        if ParallelLayout.parse(layout).tp > 1 and self.prefill.prefix_cache.enabled is True:  # asked for
+            raise ValueError(f"prefill layout {layout!r} has attention-TP groups, which run without the prefix cache; "
+                             "turn --prefix-cache off or use a dpN[+epN] prefill layout")

@@ -96,7 +96,7 @@ class PrefillWorker:
         """Prompt tokens computed (tokens resumed from the prefix cache are not)."""
         self.failures: list[PrefillFailure] = []
         pc = self.config.prefix_cache
-        if prefix_cache is None and pc.enabled:
+        if prefix_cache is None and pc.wanted:
             prefix_cache = PrefixCache(model.cfg, pc, layout_format(model.cfg, model.dtype))
         self.prefix_cache = prefix_cache
         self.lockstep = False
@@ -214,9 +214,14 @@ class PrefillWorker:
         if comm is None or (comm.ep == 1 and comm.tp == 1):
             raise ValueError("lockstep needs a model attached to an expert-parallel or attention-TP replica")
         if comm.tp > 1:
-            if self.prefix_cache is not None:
+            if self.prefix_cache is not None and self.config.prefix_cache.enabled is True:  # asked for: say no
                 raise ValueError("an attention-TP prefill group runs without the prefix cache (its ranks' queues "
                                  "must stay equal); turn --prefix-cache off or use a dpN[+epN] prefill layout")
+            if self.prefix_cache is not None:  # on by default only: off here, said once per rank
+                self.prefix_cache.close()
+                self.prefix_cache = None
+                log.info("prefix cache off: an attention-TP prefill group runs without it (its ranks' queues must "
+                         "stay equal)")
             self.tp_role = "leader" if comm.shard.tp_rank == 0 else "follower"
         self.lockstep = True
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import yaml
-from helm_chart_support import chart_schema, find, gateway_container, parse_serve, serve_args
+from helm_chart_support import chart_schema, find, gateway_container, parse_serve, serve_args, worker_group
 
 GiB, MiB = 2**30, 2**20
 
@@ -25,6 +25,7 @@ SERVING_SETS = (
     "serve.queueTimeoutSeconds=12.5", "serve.maxQueuedRequests=77", "serve.prefillTimeoutSeconds=900",
     "serve.handoffTimeoutSeconds=45", "serve.tokenTimeoutSeconds=7.5", "serve.maxRequestRetries=0",
     "serve.subscriberTimeoutSeconds=2.5", "serve.stepHangSeconds=300", "serve.dtype=bfloat16",
+    "serve.prefixCache=off", "serve.prefixCacheHostBytes=512MiB",
 )
 
 
@@ -34,6 +35,7 @@ def _assert_serving_values(cfg):
     assert (t.offload, t.hot_buffer_slots, t.reserved_slots, t.max_running, t.block_tokens) == (False, 96, 4, 32, 512)
     assert (t.device_budget_bytes, t.host_pool_bytes) == (40 * GiB, 2_500_000_000)
     assert cfg.prefill.max_batch_tokens == 4096
+    assert (cfg.prefill.prefix_cache.enabled, cfg.prefill.prefix_cache.host_bytes) == (False, 512 * MiB)
     c = cfg.cluster
     assert (c.num_prefill, c.num_decode, c.max_restarts, c.transport) == (2, 3, 5, "object_store")
     assert (c.prefill_num_cpus, c.decode_num_cpus) == (2.0, 0.5)
@@ -73,6 +75,33 @@ def test_default_values_are_hisparse_defaults(helm):
     chart_owned = {"host", "port"}  # the chart binds 0.0.0.0 on gateway.port
     assert {k: v for k, v in vars(default.server).items() if k not in chart_owned} == \
            {k: v for k, v in vars(own.server).items() if k not in chart_owned}
+
+
+def test_the_prefix_cache_default_is_left_to_hisparse(helm):
+    """Unset, the chart passes no prefix-cache flag: each prefill pod then has hisparse's own default (on wherever
+    it can run, a host budget from that pod's memory); set, the value reaches the flag (bools as on/off)."""
+    args = serve_args(helm.render())
+    assert "--prefix-cache" not in args and "--prefix-cache-host-bytes" not in args
+    pc = parse_serve(args).prefill.prefix_cache
+    assert pc.enabled is None and pc.host_bytes is None and pc.wanted
+    for value, want in (("on", True), ("true", True), ("false", False)):
+        assert parse_serve(serve_args(helm.render(sets=(f"serve.prefixCache={value}",)))).prefill.prefix_cache.enabled is want
+
+
+def test_a_prefix_cache_budget_set_in_the_chart_counts_in_the_prefill_pod(helm):
+    def memory(*sets):
+        q = worker_group(helm.render(sets=sets), "prefill")["template"]["spec"]["containers"][0]["resources"]["requests"]["memory"]
+        return int(q[:-2]) * MiB
+
+    assert memory("serve.prefixCacheHostBytes=1GiB", "prefill.actorsPerPod=2", "prefill.cpu=2") == \
+        memory("prefill.actorsPerPod=2", "prefill.cpu=2") + 2 * GiB
+
+
+def test_prefix_cache_on_with_an_attention_tp_prefill_is_refused(helm):
+    proc = helm.template_raw(sets=("serve.prefixCache=on", "prefill.layout=tp2", "prefill.actorsPerPod=2", "prefill.cpu=2"))
+    assert proc.returncode != 0 and "prefixCache" in proc.stderr, proc.stderr
+    args = serve_args(helm.render(sets=("prefill.layout=tp2", "prefill.actorsPerPod=2", "prefill.cpu=2")))
+    assert parse_serve(args).cluster.prefill_layout == "tp2"  # the default: no prefix cache there, no refusal
 
 
 def _cores(quantity: str) -> float:

@@ -16,8 +16,10 @@ def test_flags_build_the_prefix_cache_config(tmp_path):
     assert pc == PrefixCacheConfig(enabled=True, host_bytes=2 * 2**30, disk_bytes=10**10, directory=str(tmp_path),
                                    page_tokens=512, state_policy="every")
     assert pc.disk_enabled
-    off = serve_config(build_parser().parse_args(["serve"])).prefill.prefix_cache
-    assert not off.enabled and not off.disk_enabled
+    default = serve_config(build_parser().parse_args(["serve"])).prefill.prefix_cache
+    assert default.enabled is None and default.wanted and not default.disk_enabled  # on wherever it can run
+    off = serve_config(build_parser().parse_args(["serve", "--prefix-cache", "off"])).prefill.prefix_cache
+    assert off.enabled is False and not off.wanted
 
 
 def test_a_disk_tier_needs_a_directory():

@@ -1,7 +1,8 @@
 """What can never serve is refused by the configs and the pre-flight checks, before any Ray or actor work.
 
 In-process halves of tests/e2e/test_serve_preflight.py: the range checks of the config dataclasses (named by
-their flag on the command line), the loader's header-only check, and the smallest device budget.
+their flag on the command line), the loader's header-only check, the smallest device budget, and the prefix
+cache's default (on wherever it can run, with a host budget that scales with the machine).
 """
 
 from __future__ import annotations
@@ -9,11 +10,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from core.roles import FieldError, ServeConfig, TierConfig
+from core.roles import (
+    PREFIX_HOST_CAP,
+    ClusterConfig,
+    FieldError,
+    PrefillConfig,
+    PrefixCacheConfig,
+    ServeConfig,
+    TierConfig,
+    default_prefix_host_bytes,
+    memory_limit_bytes,
+)
 from hisparse.cli import build_parser, refusal, serve_config
 
 NEVER_SERVE = [  # flag, value: each starts nothing useful (503/429 for ever, no step, ...) or was silently changed
@@ -124,3 +136,55 @@ def test_preflight_passes_the_defaults(tiny_dir):
     from hisparse.preflight import check_serve
 
     assert check_serve(ServeConfig()).hidden_size == 128
+
+
+# ------------------------------------------------------------------------------------------- prefix cache
+
+
+def test_prefix_cache_is_on_by_default(tiny_model):
+    from prefill.worker import PrefillWorker
+
+    pc = serve_config(build_parser().parse_args(["serve"])).prefill.prefix_cache
+    assert pc.enabled is None and pc.wanted and pc == PrefixCacheConfig()
+    assert PrefillWorker(tiny_model, PrefillConfig()).prefix_cache is not None
+    off = serve_config(build_parser().parse_args(["serve", "--prefix-cache", "off"])).prefill
+    assert PrefillWorker(tiny_model, off).prefix_cache is None
+    on = serve_config(build_parser().parse_args(["serve", "--prefix-cache", "on"])).prefill.prefix_cache
+    assert on.enabled is True
+
+
+def test_prefix_cache_host_budget_scales_with_the_machine():
+    limit = memory_limit_bytes()
+    assert limit is not None and limit > 0  # Linux: MemTotal at least
+    assert default_prefix_host_bytes() == min(PREFIX_HOST_CAP, limit // 16)
+    assert PrefixCacheConfig().host_budget == default_prefix_host_bytes()
+    assert PrefixCacheConfig(host_bytes=12345).host_budget == 12345
+    assert PrefixCacheConfig(host_bytes=0).host_budget == 0
+
+
+def test_an_attention_tp_prefill_layout_refuses_only_an_asked_for_prefix_cache():
+    tp = ClusterConfig(placement="any", prefill_layout="tp2")
+    ServeConfig(cluster=tp)  # the default: off there, no error
+    ServeConfig(cluster=tp, prefill=PrefillConfig(prefix_cache=PrefixCacheConfig(enabled=False)))
+    with pytest.raises(ValueError, match="prefix cache"):
+        ServeConfig(cluster=tp, prefill=PrefillConfig(prefix_cache=PrefixCacheConfig(enabled=True)))
+
+
+def _tp_worker(tiny_model, pc: PrefixCacheConfig):
+    from prefill.worker import PrefillWorker
+
+    comm = SimpleNamespace(ep=1, tp=2, shard=SimpleNamespace(tp_rank=0))
+    model = SimpleNamespace(cfg=tiny_model.cfg, dtype=tiny_model.dtype, comm=comm)  # what join_replica reads
+    return PrefillWorker(model, PrefillConfig(prefix_cache=pc))
+
+
+def test_a_tp_group_drops_the_default_prefix_cache_and_refuses_an_asked_for_one(tiny_model, caplog):
+    worker = _tp_worker(tiny_model, PrefixCacheConfig())
+    assert worker.prefix_cache is not None
+    with caplog.at_level("INFO", logger="prefill.worker"):
+        worker.join_replica()
+    assert worker.prefix_cache is None and worker.tp_role == "leader"
+    assert [r.getMessage() for r in caplog.records if "prefix cache off" in r.getMessage()]
+    asked = _tp_worker(tiny_model, PrefixCacheConfig(enabled=True))
+    with pytest.raises(ValueError, match="without the prefix cache"):
+        asked.join_replica()

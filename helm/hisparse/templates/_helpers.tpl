@@ -84,14 +84,18 @@ The schema already restricts the spelling; the fail below guards against bypassi
 {{- printf "%dMi" (div (add (int64 .) 1048575) 1048576) -}}
 {{- end -}}
 
-{{/* on/off for --offload from on/off/true/false. */}}
-{{- define "hisparse.offload" -}}
-{{- $o := .Values.serve.offload -}}
-{{- if kindIs "bool" $o -}}
-{{- ternary "on" "off" $o -}}
+{{/* on/off from a value of on/off/true/false. */}}
+{{- define "hisparse.onOff" -}}
+{{- if kindIs "bool" . -}}
+{{- ternary "on" "off" . -}}
 {{- else -}}
-{{- $o | toString | lower -}}
+{{- . | toString | lower -}}
 {{- end -}}
+{{- end -}}
+
+{{/* on/off for --offload. */}}
+{{- define "hisparse.offload" -}}
+{{- include "hisparse.onOff" .Values.serve.offload -}}
 {{- end -}}
 
 {{/* ---------------------------------------------------------------- sizes derived from values */}}
@@ -148,6 +152,16 @@ no GPU (the "device" pool is then host memory), the device budget; plus /dev/shm
 {{- add (mul $perActor (int64 .Values.decode.actorsPerPod)) (include "hisparse.shmBytes" .Values.decode | int64) -}}
 {{- end -}}
 
+{{/* Memory of one prefill pod beyond prefill.memory: /dev/shm, plus per actor a prefix-cache host budget set
+here (hisparse's own default is a share of the pod's memory, so it needs none). */}}
+{{- define "hisparse.prefillExtraBytes" -}}
+{{- $extra := include "hisparse.shmBytes" .Values.prefill | int64 -}}
+{{- if not (kindIs "invalid" .Values.serve.prefixCacheHostBytes) -}}
+{{- $extra = add $extra (mul (include "hisparse.bytes" .Values.serve.prefixCacheHostBytes | int64) (int64 .Values.prefill.actorsPerPod)) -}}
+{{- end -}}
+{{- $extra -}}
+{{- end -}}
+
 {{/* ---------------------------------------------------------------- hisparse serve flags */}}
 
 {{/*
@@ -167,6 +181,12 @@ Byte sizes go out as integer bytes, which every spelling of `hisparse serve` acc
 {{- $a = concat $a (list "--prefill-layout" (toString .Values.prefill.layout) "--decode-layout" (toString .Values.decode.layout)) -}}
 {{- $a = concat $a (list "--transport" (toString $s.transport)) -}}
 {{- $a = concat $a (list "--max-batch-tokens" (include "hisparse.int" $s.maxBatchTokens)) -}}
+{{- if not (kindIs "invalid" $s.prefixCache) -}}
+{{- $a = concat $a (list "--prefix-cache" (include "hisparse.onOff" $s.prefixCache)) -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $s.prefixCacheHostBytes) -}}
+{{- $a = concat $a (list "--prefix-cache-host-bytes" (include "hisparse.bytes" $s.prefixCacheHostBytes)) -}}
+{{- end -}}
 {{- $a = concat $a (list "--max-concurrent-requests" (include "hisparse.int" $s.maxConcurrentRequests)) -}}
 {{- $a = concat $a (list "--max-restarts" (include "hisparse.int" $s.maxRestarts)) -}}
 {{- $a = concat $a (list "--max-sequences-per-request" (include "hisparse.int" $s.maxSequencesPerRequest)) -}}
@@ -268,6 +288,10 @@ optional: false, so a missing Secret or key keeps the container from starting (f
 {{- end -}}
 {{- if and (ne .Values.serve.transport "object_store") (or (eq (float64 .Values.prefill.actorGpus) 0.0) (eq (float64 .Values.decode.actorGpus) 0.0)) -}}
 {{- fail (printf "serve.transport=%s moves tensors GPU to GPU: give prefill.actorGpus and decode.actorGpus at least one GPU, or use object_store" .Values.serve.transport) -}}
+{{- end -}}
+{{- $tp := regexFind "[0-9]+" (regexFind "tp[0-9]+" (lower (toString .Values.prefill.layout))) | default "1" | int64 -}}
+{{- if and (gt $tp 1) (not (kindIs "invalid" .Values.serve.prefixCache)) (eq (include "hisparse.onOff" .Values.serve.prefixCache) "on") -}}
+{{- fail (printf "serve.prefixCache=on: prefill.layout=%s has attention-TP groups, which run without the prefix cache; leave serve.prefixCache null (off there) or use a dpN[+epN] layout" (toString .Values.prefill.layout)) -}}
 {{- end -}}
 {{- /* The API key settings themselves are checked by values.schema.json (so `helm lint` fails too). */ -}}
 {{- $envs := dict "env" .Values.env "head.env" .Values.head.env "prefill.env" .Values.prefill.env "decode.env" .Values.decode.env "gateway.env" .Values.gateway.env -}}
@@ -522,7 +546,7 @@ workerGroupSpecs:
     rayStartParams:
       {{- include "hisparse.workerRayStartParams" (dict "role" "prefill" "g" .Values.prefill) | nindent 6 }}
     template:
-      {{- include "hisparse.rayPodTemplate" (dict "root" $root "role" "prefill" "g" .Values.prefill "memoryExtra" (include "hisparse.shmBytes" .Values.prefill)) | nindent 6 }}
+      {{- include "hisparse.rayPodTemplate" (dict "root" $root "role" "prefill" "g" .Values.prefill "memoryExtra" (include "hisparse.prefillExtraBytes" .)) | nindent 6 }}
   - groupName: decode
     replicas: {{ include "hisparse.int" .Values.decode.replicas }}
     minReplicas: {{ include "hisparse.int" .Values.decode.minReplicas }}
