@@ -1,9 +1,13 @@
 """Checkpoint loading: a directory of safetensors files (optionally with an index json) -> `V4Model`.
 
 Accepted weight spellings, all mapped onto this project's (= DeepSeek's) names:
-- DeepSeek's own (`layers.0.attn.wq_a.weight`, per-expert `ffn.experts.3.w1.weight`, `mtp.*` ignored);
+- DeepSeek's own (`layers.0.attn.wq_a.weight`, per-expert `ffn.experts.3.w1.weight`, the MTP block `mtp.0.*`);
 - HF's module names (`model.layers.0.self_attn.q_a_proj.weight`, stacked `mlp.experts.gate_up_proj`);
-- what HF `save_pretrained` writes (DeepSeek names under `model.`, `attn.norm` for the KV norm).
+- what HF `save_pretrained` writes (DeepSeek names under `model.`, `attn.norm` for the KV norm);
+- the MTP block as the layer after the last (`model.layers.{num_hidden_layers}.*`, with `shared_head.norm`,
+  V3's fused `eh_proj`, copies of the embedding and head: `model.mtp` has the names and sources).
+`load_model(..., mtp=True)` loads a checkpoint's MTP block as `model.mtp` (speculative decoding's drafter); by
+default, and for a checkpoint without one, `model.mtp` is None and the block's tensors are not read.
 FP8 (e4m3) weights with 128x128 block scales and FP4 (e2m1, two per byte) expert weights with
 32-wide block scales either stay packed (`weights="packed"`, the default: `model.packed` modules compute
 on them) or are dequantized to the model dtype (`weights="dequantize"`, the reference path). Formats:
@@ -47,6 +51,9 @@ class CheckpointError(ValueError):
 # Ordered renames from HF spellings to ours; each is (pattern, replacement) applied with re.sub.
 _RENAMES: list[tuple[str, str]] = [
     (r"^model\.", ""),
+    (r"^mtp\.0\.", "mtp."),  # the one MTP block; our module is `mtp`
+    (r"^mtp\.shared_head\.norm\.", "mtp.norm."),
+    (r"^mtp\.hc_head\.hc_(fn|base|scale)$", r"mtp.hc_head_\1"),
     (r"^embed_tokens\.", "embed."),
     (r"^lm_head\.", "head."),
     (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
@@ -78,10 +85,21 @@ _RENAMES: list[tuple[str, str]] = [
     (r"\.experts\.down_proj$", ".experts.down"),
 ]
 _RENAMES_RE = [(re.compile(p), r) for p, r in _RENAMES]
-_EXPERT = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+_EXPERT = re.compile(r"^((?:layers\.\d+|mtp)\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
 _SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
 _HC_SCALE = re.compile(r"(attn|ffn)_hc\.scale$")  # hyper-connection parameters, not quantization scales
-_IGNORED = re.compile(r"^(mtp\.|model\.mtp\.)")
+_MTP = re.compile(r"^(model\.)?mtp\.")
+_MTP_COPIES = re.compile(r"^mtp\.(embed_tokens|embed|emb\.tok_emb|head|shared_head\.head)\.weight$")
+"""Copies of the model's embedding and head that some checkpoints store beside the MTP block: dropped (it shares
+the model's)."""
+_EH_PROJ = "mtp.eh_proj.weight"
+"""V3's fused MTP input projection [hidden, 2 * hidden] over [enorm(embedding), hnorm(hidden)]: e_proj | h_proj."""
+
+
+def mtp_spelling(raw: str, num_layers: int) -> str:
+    """A checkpoint name with the MTP block's layer-index spelling (`model.layers.{num_layers}.`, as engines and
+    V3's HF repositories write it) in DeepSeek's (`mtp.0.`); every other name as it is."""
+    return re.sub(rf"^(model\.)?layers\.{num_layers}\.", "mtp.0.", raw)
 
 
 def canonical_name(name: str) -> str:
@@ -164,6 +182,8 @@ class _Source:
     raw: str
     file: Path
     meta: torch.Tensor
+    name: str = ""
+    """The name the plan reads it under (`raw` with the MTP block's spelling made DeepSeek's); `raw` when empty."""
 
 
 def _rank_part(raw: str, t, cfg: ModelConfig, shard: Shard):
@@ -210,10 +230,11 @@ def _check_length(f: Path) -> None:
 
 class _Checkpoint:
     """A checkpoint's files, held open (memory-mapped) for one load. `sources` describes every tensor this rank
-    reads (other ranks' experts and the MTP block left out); `read` hands one over, only this rank's slice of it."""
+    reads (other ranks' experts left out, and the MTP block unless `mtp`), by the name the plan reads it under;
+    `read` hands one over, only this rank's slice of it."""
 
-    def __init__(self, model_dir: Path, cfg: ModelConfig, shard: Shard) -> None:
-        self.cfg, self.shard = cfg, shard
+    def __init__(self, model_dir: Path, cfg: ModelConfig, shard: Shard, mtp: bool = False) -> None:
+        self.cfg, self.shard, self.mtp = cfg, shard, mtp
         self._files = contextlib.ExitStack()
         self._handles: dict[Path, object] = {}
         self.sources: dict[str, _Source] = {}
@@ -229,15 +250,16 @@ class _Checkpoint:
         try:
             fh = self._handles[f] = self._files.enter_context(safe_open(str(f), framework="pt"))
             for k in fh.keys():
-                if _IGNORED.match(k):  # not served (the multi-token-prediction block)
-                    continue
+                name = mtp_spelling(k, self.cfg.num_layers)
+                if _MTP.match(name) and (not self.mtp or _MTP_COPIES.match(canonical_name(name))):
+                    continue  # the MTP block not wanted, or a copy of the shared embedding / head
                 head = fh.get_slice(k)
                 dtype = _DTYPES.get(head.get_dtype())
                 if dtype is None:
                     raise CheckpointError(f"tensor {k} in {f} has dtype {head.get_dtype()}, which this loader does not read")
-                part = _rank_part(k, torch.empty(head.get_shape(), dtype=dtype, device="meta"), self.cfg, self.shard)
+                part = _rank_part(name, torch.empty(head.get_shape(), dtype=dtype, device="meta"), self.cfg, self.shard)
                 if part is not None:
-                    self.sources[k] = _Source(k, f, part)
+                    self.sources[name] = _Source(k, f, part, name)
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt headers
@@ -249,7 +271,7 @@ class _Checkpoint:
         fh = self._handles[src.file]
         try:
             whole = fh.get_slice(src.raw)
-            part = _rank_part(src.raw, whole, self.cfg, self.shard)
+            part = _rank_part(src.name or src.raw, whole, self.cfg, self.shard)
             return fh.get_tensor(src.raw) if part is whole else part
         except Exception as e:
             raise CheckpointError(f"cannot read {src.raw} from {src.file}: {e}") from None
@@ -352,6 +374,30 @@ def _put_dequantized(dst: torch.Tensor, t: torch.Tensor, scale: torch.Tensor) ->
 
 
 @dataclasses.dataclass(frozen=True)
+class _Columns:
+    """An op applied to input columns lo..hi of a matrix (and the matching tile columns of its FP8 scale): how
+    one fused checkpoint matrix fills two model matrices. When the cut falls inside a scale tile the whole
+    matrix is dequantized first and then cut."""
+
+    op: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], None]
+    lo: int
+    hi: int
+    tiles: bool = False
+    """The source is a scale tensor: cut whole 128-wide tiles."""
+
+    def __call__(self, dst: torch.Tensor, t: torch.Tensor, scale: torch.Tensor | None) -> None:
+        if scale is not None and (self.lo % FP8_BLOCK or self.hi % FP8_BLOCK):  # tiles straddle the cut
+            full = torch.empty(_dense_shape(t), dtype=dst.dtype, device=dst.device)
+            _put_dequantized(full, t, scale)
+            dst.copy_(full[:, self.lo : self.hi])
+            return
+        lo, hi = (self.lo // FP8_BLOCK, -(-self.hi // FP8_BLOCK)) if self.tiles else (self.lo, self.hi)
+        if scale is not None:
+            scale = scale[:, self.lo // FP8_BLOCK : self.hi // FP8_BLOCK].contiguous()
+        self.op(dst, t[:, lo:hi].contiguous(), scale)
+
+
+@dataclasses.dataclass(frozen=True)
 class _Fill:
     """Write `op(checkpoint tensor src, its scale)` into `index` of a model tensor (() is all of it)."""
 
@@ -407,6 +453,9 @@ def _plan(ckpt: _Checkpoint, weights: str, cfg: ModelConfig, shard: Shard = WHOL
         if m:
             experts[m.group(1)][int(m.group(2))][m.group(3)] = (src, scale)
             continue
+        if cname == _EH_PROJ:
+            _plan_eh_proj(src, scale, packed, targets, kinds)
+            continue
         module = cname[: -len(".weight")] if cname.endswith(".weight") else None
         if scale is not None and packed and t.dtype == torch.float8_e4m3fn and module and _fp8_packable(module, cfg):
             targets[cname] = _Target(tuple(t.shape), (_Fill(_put, src),))
@@ -423,6 +472,25 @@ def _plan(ckpt: _Checkpoint, weights: str, cfg: ModelConfig, shard: Shard = WHOL
         if _plan_experts(ckpt, prefix, by_id, packed, first, targets):
             kinds[prefix] = FP4_EXPERTS
     return targets, kinds
+
+
+def _plan_eh_proj(src: _Source, scale: _Source | None, packed: bool, targets: dict[str, _Target], kinds: dict[str, str]) -> None:
+    """V3's fused `eh_proj` [h, 2h] as `e_proj` (its first h input columns: the embedding's) and `h_proj` (the
+    rest); FP8 stays packed when the cut falls on a scale tile."""
+    h = src.meta.shape[0]
+    if tuple(src.meta.shape) != (h, 2 * h):
+        raise CheckpointError(f"{src.name or src.raw} has shape {tuple(src.meta.shape)}, expected ({h}, {2 * h}) "
+                              "([embedding | hidden] inputs)")
+    keep = packed and scale is not None and src.meta.dtype == torch.float8_e4m3fn and h % FP8_BLOCK == 0
+    for part, (lo, hi) in (("e_proj", (0, h)), ("h_proj", (h, 2 * h))):
+        if keep:
+            targets[f"mtp.{part}.weight"] = _Target((h, h), (_Fill(_Columns(_put, lo, hi), src),))
+            tiles = (scale.meta.shape[0], h // FP8_BLOCK)
+            targets[f"mtp.{part}.scale"] = _Target(tiles, (_Fill(_Columns(_put_fp8_scale, lo, hi, tiles=True), scale),))
+            kinds[f"mtp.{part}"] = FP8
+        else:
+            op = _Columns(_put if scale is None else _put_dequantized, lo, hi)
+            targets[f"mtp.{part}.weight"] = _Target((h, h), (_Fill(op, src, scale),))
 
 
 _STACKS = (("gate_up", ("w1", "w3")), ("down", ("w2",)))
@@ -513,8 +581,14 @@ def load_model(
     weights: str = WEIGHTS_PACKED,
     kv_format: str | None = None,
     shard: Shard = WHOLE,
+    mtp: bool = False,
 ) -> V4Model:
     """Build the model from `model_dir/config.json` and load its weights.
+
+    `mtp`: also load the checkpoint's multi-token-prediction block as `model.mtp` when it has one (what
+    speculative decoding drafts with). Off by default: serving without speculation leaves it unread, as the
+    planner's served figures assume (`cachetier.planner.WeightEstimate.served_bytes`); `model.mtp` is None
+    then, and whenever the checkpoint has no block.
 
     `kv_format` (`core.kv_format`): how KV rows are rounded and stored; None: `bf16`, what the config says;
     `auto`: what the checkpoint was trained for (`model.config.trained_kv_format`).
@@ -534,9 +608,9 @@ def load_model(
     """
     model_dir = Path(model_dir)
     cfg = model_config(model_dir, name, kv_format, shard)
-    with _Checkpoint(model_dir, cfg, shard) as ckpt:
+    with _Checkpoint(model_dir, cfg, shard, mtp) as ckpt:
         targets, kinds = _plan(ckpt, weights, cfg, shard)
-        model = build_empty(cfg, dtype, device, packed=kinds, shard=shard, init=False)
+        model = build_empty(cfg, dtype, device, packed=kinds, shard=shard, init=False, mtp=has_mtp(targets))
         _fill(model, ckpt, targets)
     log.info(
         "loaded %s (%d layers, %.1fM parameters, %d modules packed, %.1f MB resident%s)",
@@ -568,24 +642,31 @@ def model_config(model_dir: str | Path, name: str | None = None, kv_format: str 
 
 
 def check_checkpoint(model_dir: str | Path, weights: str = WEIGHTS_PACKED, kv_format: str | None = None,
-                     shard: Shard = WHOLE) -> ModelConfig:
+                     shard: Shard = WHOLE, mtp: bool = False) -> ModelConfig:
     """What `load_model` checks before it reads a weight, without reading one: config.json, every file's length
     against its header, then the plan's tensor names, shapes and scale layouts against a model of the config
     built on the meta device (float FP4 block scales, which the plan reads to decide their packing, aside).
-    Raises `CheckpointError` / `ConfigError` naming the file or tensor; returns the model's config."""
+    Raises `CheckpointError` / `ConfigError` naming the file or tensor; returns the model's config. `mtp` as
+    for `load_model`."""
     model_dir = Path(model_dir)
     cfg = model_config(model_dir, kv_format=kv_format, shard=shard)
-    with _Checkpoint(model_dir, cfg, shard) as ckpt:
+    with _Checkpoint(model_dir, cfg, shard, mtp) as ckpt:
         targets, kinds = _plan(ckpt, weights, cfg, shard)
-        _check_targets(build_empty(cfg, device="meta", packed=kinds, shard=shard, init=False), targets)
+        _check_targets(build_empty(cfg, device="meta", packed=kinds, shard=shard, init=False, mtp=has_mtp(targets)), targets)
     return cfg
+
+
+def has_mtp(targets) -> bool:
+    """Whether a plan (or any collection of our tensor names) holds the MTP block."""
+    return any(name.startswith("mtp.") for name in targets)
 
 
 def build_empty(
     cfg: ModelConfig, dtype: torch.dtype = torch.float32, device=None, packed: dict[str, str] | None = None,
-    shard: Shard = WHOLE, init: bool = True,
+    shard: Shard = WHOLE, init: bool = True, mtp: bool = False,
 ) -> V4Model:
-    """A model of `cfg`: dense weights in `dtype` (norms and the like fp32), default-initialised.
+    """A model of `cfg`: dense weights in `dtype` (norms and the like fp32), default-initialised; with `mtp`, its
+    multi-token-prediction block too (`model.mtp`).
 
     With `packed` (module path -> kind, as the loader decides) those modules are packed ones instead, and
     the model is built on the meta device first so that no dense copy of a packed weight is ever
@@ -596,7 +677,7 @@ def build_empty(
     target = torch.device(device or "cpu")
     on_meta = bool(packed) or not init
     with torch.device("meta" if on_meta else target):
-        model = V4Model(cfg, shard)
+        model = V4Model(cfg, shard, mtp=mtp)
     keep_fp32 = ("norm", "attn_sink", "ape", "hc_", "gate.bias")
     for n, p in model.named_parameters():
         if not any(k in n for k in keep_fp32):
@@ -622,11 +703,12 @@ def num_params(model: torch.nn.Module) -> int:
 
 
 def deepseek_state(model: V4Model) -> dict[str, torch.Tensor]:
-    """The model's weights in DeepSeek's checkpoint spelling (per-expert tensors; packed ones keep their
-    formats, with UE8M0 scales as `float8_e8m0fnu` wherever the scales are powers of two)."""
+    """The model's weights in DeepSeek's checkpoint spelling (per-expert tensors, the MTP block as `mtp.0.*`;
+    packed ones keep their formats, with UE8M0 scales as `float8_e8m0fnu` wherever the scales are powers of two)."""
     out = {}
     for name, t in model.state_dict().items():
-        m = re.match(r"^(layers\.\d+\.ffn\.experts)\.(gate_up|down)(_scale)?$", name)
+        name = "mtp.0." + name[len("mtp.") :] if name.startswith("mtp.") else name
+        m = re.match(r"^((?:layers\.\d+|mtp\.0)\.ffn\.experts)\.(gate_up|down)(_scale)?$", name)
         if not m:
             out[name] = _scale_for_checkpoint(t) if name.endswith(".scale") else t.contiguous()
             continue
@@ -645,20 +727,54 @@ def _scale_for_checkpoint(scale: torch.Tensor) -> torch.Tensor:
         return scale.float().contiguous()
 
 
+MTP_FILE = "mtp.safetensors"
+"""Where `save_mtp` writes the MTP block beside an existing checkpoint (the loader reads every safetensors file)."""
+
+
+def config_dict(model: V4Model) -> dict:
+    """config.json of `model` in HF's spelling, counting its MTP block."""
+    return {**to_hf_dict(model.cfg), "num_nextn_predict_layers": int(model.mtp is not None)}
+
+
+def _stored(state: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Tensors as a checkpoint stores them: with `dtype`, floating-point matrices in it; norms, sinks, position
+    biases, hyper-connection and routing parameters stay fp32, as they load; packed codes and scales as they are."""
+    out = {}
+    for k, v in state.items():
+        v = v.detach().cpu()
+        dense = v.dtype in (torch.float32, torch.float16, torch.bfloat16)  # packed codes and scales keep their dtype
+        if dtype is not None and dense and v.dim() >= 2 and not k.startswith("hc_") and ".hc_" not in k and not k.endswith(".scale"):
+            v = v.to(dtype)
+        out[k] = v.contiguous()
+    return out
+
+
 def save_checkpoint(model: V4Model, model_dir: str | Path, dtype: torch.dtype | None = None) -> None:
-    """Write config.json (HF spelling) and model.safetensors (DeepSeek names); both we and HF read it.
+    """Write config.json (HF spelling) and model.safetensors (DeepSeek names, the MTP block included); both we and
+    HF read it (HF drops `mtp.*`).
 
     With `dtype`, floating-point matrices are stored in it (e.g. bf16 to halve the file); norms,
     sinks, position biases, hyper-connection and routing parameters stay fp32, as they load.
     """
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(to_hf_dict(model.cfg), indent=2) + "\n")
-    state = {}
-    for k, v in deepseek_state(model).items():
-        v = v.detach().cpu()
-        dense = v.dtype in (torch.float32, torch.float16, torch.bfloat16)  # packed codes and scales keep their dtype
-        if dtype is not None and dense and v.dim() >= 2 and not k.startswith("hc_") and ".hc_" not in k and not k.endswith(".scale"):
-            v = v.to(dtype)
-        state[k] = v.contiguous()
-    save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    (model_dir / "config.json").write_text(json.dumps(config_dict(model), indent=2) + "\n")
+    save_file(_stored(deepseek_state(model), dtype), str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    (model_dir / MTP_FILE).unlink(missing_ok=True)  # model.safetensors holds the whole model now
+
+
+def save_mtp(model: V4Model, model_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Add `model`'s MTP block to the checkpoint in `model_dir` as its own file (`MTP_FILE`, DeepSeek's `mtp.0.*`
+    names, stored as `save_checkpoint` stores tensors), leaving the main weights' file untouched, and count it in
+    config.json. Returns the file."""
+    if model.mtp is None:
+        raise ValueError("the model has no MTP block to save")
+    model_dir = Path(model_dir)
+    state = {k: v for k, v in deepseek_state(model).items() if k.startswith("mtp.")}
+    path = model_dir / MTP_FILE
+    save_file(_stored(state, dtype), str(path), metadata={"format": "pt"})
+    config = model_dir / "config.json"
+    raw = json.loads(config.read_text())
+    raw["num_nextn_predict_layers"] = 1
+    config.write_text(json.dumps(raw, indent=2) + "\n")
+    return path

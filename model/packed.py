@@ -33,9 +33,11 @@ FP8 = "fp8"
 FP4_EXPERTS = "fp4_experts"
 """Kind of a packed module: stacked MXFP4 routed experts."""
 
-CHECKPOINT_FP8 = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])$")
-"""Linears the published V4 checkpoints store as block FP8 (module paths in DeepSeek's spelling)."""
-CHECKPOINT_FP4 = re.compile(r"^layers\.\d+\.ffn\.experts$")
+CHECKPOINT_FP8 = re.compile(
+    r"^(?:layers\.\d+|mtp)\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])$|^mtp\.(e_proj|h_proj)$"
+)
+"""Linears the published V4 checkpoints store as block FP8 (module paths in our spelling; the MTP block's too)."""
+CHECKPOINT_FP4 = re.compile(r"^(?:layers\.\d+|mtp)\.ffn\.experts$")
 """Routed-expert stacks the published V4 checkpoints store as MXFP4."""
 
 

@@ -240,10 +240,11 @@ class Comm:
 
 # --------------------------------------------------------------------------------------------- shards
 
-_BY_HEADS = re.compile(r"^layers\.\d+\.attn\.(wq_b\.weight|attn_sink)$")
-_BY_GROUP_ROWS = re.compile(r"^layers\.\d+\.attn\.wo_a\.weight$")
-_BY_GROUP_COLS = re.compile(r"^layers\.\d+\.attn\.wo_b\.weight$")
-_EXPERT_STACK = re.compile(r"^layers\.\d+\.ffn\.experts\.(gate_up|down)(_scale)?$")
+_BLOCK = r"^(?:layers\.\d+|mtp)\."  # a main layer's names, or the MTP block's (split like a layer's)
+_BY_HEADS = re.compile(_BLOCK + r"attn\.(wq_b\.weight|attn_sink)$")
+_BY_GROUP_ROWS = re.compile(_BLOCK + r"attn\.wo_a\.weight$")
+_BY_GROUP_COLS = re.compile(_BLOCK + r"attn\.wo_b\.weight$")
+_EXPERT_STACK = re.compile(_BLOCK + r"ffn\.experts\.(gate_up|down)(_scale)?$")
 
 
 def shard_slice(name: str, cfg: ModelConfig, shard: Shard) -> tuple[int, int, int] | None:
