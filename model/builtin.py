@@ -1,8 +1,9 @@
 """The built-in model `tiny`: a small DeepSeek-V4 with every layer kind.
 
 It ships with the package as an HF-style directory (`model/assets/tiny`: config.json,
-model.safetensors, tokenizer.json, training.json), trained by `hisparse train` on the Python standard
-library, and loads through the same loader as any checkpoint. Without the shipped directory (a
+model.safetensors, tokenizer.json, training.json, and mtp.safetensors: its MTP draft head), trained by
+`hisparse train` (the head by `hisparse train --mtp`) on the Python standard library, and loads through
+the same loader as any checkpoint. Without the shipped directory (a
 build that left it out), a model of the same geometry with random weights fixed by a seed and a
 byte-level tokenizer is written once under the cache folder instead.
 

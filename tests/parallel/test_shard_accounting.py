@@ -40,3 +40,15 @@ def test_rank_parameters_match_the_planner(which, layout, tiny_dir, wide_dir):
         assert _numel(load_model(model_dir, shard=parsed.shard(rank))) == planned
     if not parsed.single and (parsed.expert_parallel or parsed.tp > 1):
         assert planned < _numel(whole)
+
+
+@pytest.mark.parametrize("layout", ["dp1", "dp2+ep2", "tp2", "dp4+ep4"])
+def test_a_rank_s_mtp_block_matches_the_planner(layout, tiny_dir):
+    """The built-in model's MTP head, split like a layer on each rank, holds what the planner counts for one
+    MTP block on that rank."""
+    parsed = ParallelLayout.parse(layout)
+    cfg = load_model(tiny_dir).cfg
+    planned = estimate_weights(cfg, 1, "dequantize", parsed).mtp_params
+    for rank in {0, parsed.world - 1}:
+        model = load_model(tiny_dir, shard=parsed.shard(rank), mtp=True)
+        assert model.mtp is not None and _numel(model.mtp) == planned
