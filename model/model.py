@@ -247,21 +247,25 @@ class V4Model(nn.Module):
                                  hidden_tail=hidden_tail)
         return tuple(part[0] for part in got)
 
-    def decode_forward(self, store: DecodeKV, token_ids: torch.Tensor) -> torch.Tensor:
+    def decode_forward(self, store: DecodeKV, token_ids: torch.Tensor, with_streams: bool = False):
         """One token per row of `store` (token_ids [rows] on the device) -> logits [rows, vocab].
 
         Device work only, with fixed shapes and no host sync: this is the function a decode worker
         compiles or captures. The store's device state advances; its host bookkeeping does not
         (the caller runs `store.advance()` once the step is done).
+
+        `with_streams`: return (logits, the final streams [rows, hc, hidden]): what `draft` drafts from at
+        the rows' positions, so a speculative step drafts from its own forward without running it again.
         """
         store.begin_step()
 
         def attend(i: int, x: torch.Tensor) -> torch.Tensor:
             return decode_layer(self.layers[i].attn, store, i, x, self._rot[i])
 
-        logits = self._run(token_ids, attend)
+        streams = self.trunk(token_ids, attend)
+        logits = self.logits(streams)
         store.end_step()
-        return logits
+        return (logits, streams) if with_streams else logits
 
     @torch.inference_mode()
     def decode_step(self, store: DecodeKV, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:

@@ -49,6 +49,21 @@ def test_prefill_returns_the_final_streams(model, text):
     assert torch.allclose(tail, hidden[-7:], atol=1e-5)
 
 
+def test_a_decode_step_returns_the_streams_it_drafts_from(model, text):
+    """`decode_forward(with_streams=True)`: the streams of the decoded position are prefill's at that position, and
+    its logits are what the step returns without them."""
+    from cachetier.batch import LayoutBatch
+
+    ids, hidden, logits = text
+    t = 60
+    with torch.inference_mode():
+        _, layout = model.prefill(ids[:t])
+        store = LayoutBatch(model.cfg, [layout])
+        got, streams = model.decode_forward(store, ids[t : t + 1], with_streams=True)
+    assert streams.shape == (1, model.cfg.hc_mult, model.cfg.hidden_size)
+    assert (streams[0] - hidden[t]).abs().max() < TOL and (got[0] - logits[t]).abs().max() < TOL
+
+
 def test_steps_one_position_at_a_time_match_the_sequence(model, text):
     ids, hidden, _ = text
     ref = _reference(model, ids, hidden)
