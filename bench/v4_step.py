@@ -145,7 +145,7 @@ class Marks:
         self.current: tuple[str, int | None] = ("other", None)
         self._start = None
 
-    def _now(self):
+    def now(self):
         if not self.cuda:
             return time.perf_counter()
         e = torch.cuda.Event(enable_timing=True)
@@ -153,10 +153,10 @@ class Marks:
         return e
 
     def open(self, part: str, layer: int | None = None) -> None:
-        self.current, self._start = (part, layer), self._now()
+        self.current, self._start = (part, layer), self.now()
 
     def close(self) -> None:
-        self.spans.append((*self.current, self._start, self._now()))
+        self.spans.append((*self.current, self._start, self.now()))
         self.current = ("other", None)
 
     @contextlib.contextmanager
@@ -487,9 +487,9 @@ def run_context(model: V4Model, sizes: Sizes, context: int, bw: float, cpu_compi
     marks, routed = Marks(cuda), {}
     v = view()
     with torch.inference_mode():
-        start = marks._now()
+        start = marks.now()
         profiled_forward(model, v, marks, routed)
-        end = marks._now()
+        end = marks.now()
     spans = marks.ms()
     total_ms = start.elapsed_time(end) if cuda else (end - start) * 1e3
     v.advance()
