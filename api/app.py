@@ -44,8 +44,8 @@ from api.metrics import Metrics
 from api.middleware import GatewayMiddleware, redact_access_log
 from api.schemas import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from api.text import Piece
+from core.configs import ServerConfig
 from core.request import check_prompt
-from core.roles import ServerConfig
 
 log = logging.getLogger(__name__)
 try:

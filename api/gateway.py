@@ -31,8 +31,8 @@ from api.metrics import Metrics
 from api.prompts import OffLoopTokenizer
 from api.reply import MARKERS, ReplyParser, read_reply
 from api.text import Piece, TextOffsets, TextOptions, TextStream, chat_logprobs, completion_logprobs
+from core.configs import ServerConfig
 from core.request import Request, check_length, choose_seed
-from core.roles import ServerConfig
 from core.structure import Structure
 from core.types import InvalidRequestError, PromptLogprob, SamplingParams
 

@@ -27,7 +27,7 @@ from api.app import build_app
 from api.http_protocol import HEADER_TIMEOUT_ATTR, HEADER_TIMEOUT_S, protocol_class
 from cluster.launch import connect, gcs_address, start_ray, stop_ray
 from cluster.service import Service
-from core.roles import ServeConfig
+from core.configs import ServeConfig
 
 log = logging.getLogger(__name__)
 _WORKER_ENV = "HISPARSE_GATEWAY_WORKER"

@@ -29,7 +29,7 @@ def _median_ms(fn, repeats: int) -> float:
 
 def block_tables(rows: int, blocks: int, repeats: int) -> dict:
     from cachetier.store import Resident, TieredStore
-    from core.roles import TierConfig
+    from core.configs import TierConfig
     from model.builtin import ensure_builtin
     from model.config import load_config
 
@@ -91,7 +91,7 @@ def host_write(entries: int, repeats: int, row_bytes: int = 584, per_block: int 
 def layout_fill(tokens: int, repeats: int) -> dict:
     from cachetier.store import TieredStore
     from core import device
-    from core.roles import TierConfig
+    from core.configs import TierConfig
     from model.builtin import ensure_builtin
     from model.loader import load_model
 

@@ -49,8 +49,8 @@ TURNS = ["Fix the failing test in the parser.", "Now check the tokenizer module 
 def _decode_runs(model, tok, engine, batches: list[int], steps: int, repeats: int) -> dict:
     from cachetier.store import TieredStore
     from cluster.inprocess import decode_request
+    from core.configs import EAGER_STEP, TierConfig
     from core.request import Attempt, Request
-    from core.roles import EAGER_STEP, TierConfig
     from core.structure import Structure
     from core.types import SamplingParams
     from decode.worker import DecodeWorker

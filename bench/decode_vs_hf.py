@@ -43,7 +43,7 @@ def _aten_ops(fn) -> int:
 
 def _tiered_runner(model, layouts, offload: bool, mode: str, budget: int):
     from cachetier.store import TieredStore
-    from core.roles import StepConfig, TierConfig
+    from core.configs import StepConfig, TierConfig
     from decode.runner import StepRunner
 
     store = TieredStore(model.cfg, TierConfig(offload=offload, device_budget_bytes=budget, host_pool_bytes=budget),

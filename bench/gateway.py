@@ -24,8 +24,8 @@ import time
 import numpy as np
 
 from bench.common import emit, environment, progress
+from core.configs import EAGER_STEP, ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, TierConfig
 from core.request import Request
-from core.roles import EAGER_STEP, ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, TierConfig
 from core.types import SamplingParams
 
 

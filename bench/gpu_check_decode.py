@@ -28,8 +28,8 @@ from cachetier.geometry import default_block_tokens
 from cachetier.store import TieredStore
 from cluster.inprocess import InProcessEngine
 from core.config import CSA, HASH_MOE, HCA, MOE
+from core.configs import StepConfig, TierConfig
 from core.request import Request
-from core.roles import StepConfig, TierConfig
 from core.types import SamplingParams
 from decode.runner import _forward
 from decode.worker import DecodeWorker

@@ -15,8 +15,8 @@ import torch
 from bench.gpu_check_util import Ctx, runner_state
 from cluster.inprocess import InProcessEngine
 from core import device as devices
+from core.configs import StepConfig, TierConfig
 from core.request import Request
-from core.roles import StepConfig, TierConfig
 from core.types import SamplingParams
 from model.builtin import ensure_builtin
 from model.loader import load_model

@@ -29,7 +29,7 @@ from bench.common import emit, environment, progress
 from cachetier import planner
 from cachetier.store import TieredStore
 from core.config import CSA, HCA, SLIDING
-from core.roles import TierConfig, parse_bytes
+from core.configs import TierConfig, parse_bytes
 from model.builtin import tiny_config
 
 FORMATS = (("bf16", torch.float32), ("bf16", torch.bfloat16), ("v4", torch.float32))

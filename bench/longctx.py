@@ -87,8 +87,8 @@ class IndexerTimer:
 
 
 def prefill_once(model, tokens: int, chunk: int, tile: int, device: str, seed: int = 0) -> dict:
+    from core.configs import PrefillConfig
     from core.request import Attempt, Request
-    from core.roles import PrefillConfig
     from core.types import SamplingParams
     from prefill.worker import PrefillWorker
 

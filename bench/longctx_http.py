@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> None:
 
     progress("in one process, tier off")
     from cluster.inprocess import InProcessEngine
+    from core.configs import EAGER_STEP, PrefillConfig, TierConfig
     from core.request import Request
-    from core.roles import EAGER_STEP, PrefillConfig, TierConfig
     from core.types import SamplingParams
     from model.tokenizer import load_tokenizer
 

@@ -39,7 +39,7 @@ def _rank(rank: int, layout_text: str, port: int, model_dir: str, out_dir: str, 
     """One rank: load its shard, prefill its DP group's requests, time `steps` decode steps, write a record."""
     torch.set_num_threads(1)
     from cachetier.store import TieredStore
-    from core.roles import TierConfig
+    from core.configs import TierConfig
     from model.loader import load_model
 
     layout, device, comm = open_rank(layout_text, rank, port, device_kind, timeout_s=600)

@@ -32,8 +32,8 @@ import time
 from bench.common import emit, environment, progress
 from bench.procs import cpu_by_role, cpu_seconds
 from bench.serve import latency_stats
+from core.configs import EAGER_STEP, ClusterConfig, PrefillConfig, ServeConfig, TierConfig
 from core.request import Request
-from core.roles import EAGER_STEP, ClusterConfig, PrefillConfig, ServeConfig, TierConfig
 from core.types import SamplingParams
 
 

@@ -45,7 +45,7 @@ def _rank(rank: int, layout_text: str, port: int, model_dir: str, out_dir: str, 
     next, so that both modes share whatever else the machine is doing; write a record."""
     torch.set_num_threads(1)
     from cachetier.store import TieredStore
-    from core.roles import StepConfig, TierConfig
+    from core.configs import StepConfig, TierConfig
     from core.types import SampledToken, SamplingParams
     from decode.worker import DecodeRequest, DecodeWorker
     from model.loader import load_model

@@ -30,7 +30,7 @@ import torch
 from bench.common import emit, environment, progress
 from cachetier.batch import DecodeKV, Segment
 from cachetier.layout import KVLayout
-from core.roles import EAGER_STEP, TierConfig, parse_bytes
+from core.configs import EAGER_STEP, TierConfig, parse_bytes
 
 PUBLISHED_LRU_MISS = {"k": 0.30, "2k": 0.134, "4k": 0.067}
 
@@ -66,8 +66,8 @@ def synthetic_layout(cfg, tokens: int, seed: int = 0) -> KVLayout:
 
 def prefilled_layout(model, tokens: int, max_tokens: int, seed: int = 0) -> tuple[KVLayout, float]:
     """The layout the prefill worker builds for a random prompt of `tokens` tokens, and the seconds it took."""
+    from core.configs import PrefillConfig
     from core.request import Attempt, Request
-    from core.roles import PrefillConfig
     from core.types import SamplingParams
     from prefill.worker import PrefillWorker
 

@@ -25,9 +25,9 @@ import torch
 from bench.common import emit, environment
 from bench.tier import PUBLISHED_LRU_MISS
 from cachetier.host_pool import HostPool
+from core.configs import TierConfig
 from core.kv_format import fp8_main_row_bytes
 from core.presets import V4_FLASH
-from core.roles import TierConfig
 from kernels.resolve_ref import HotState
 
 RATES = (0.0, PUBLISHED_LRU_MISS["2k"], 1.0)

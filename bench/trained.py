@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
     from cluster.inprocess import InProcessEngine
+    from core.configs import EAGER_STEP, TierConfig
     from core.request import Request
-    from core.roles import EAGER_STEP, TierConfig
     from core.types import SamplingParams
     from model.builtin import SHIPPED, ensure_builtin, random_init
     from model.loader import build_empty, load_model

@@ -55,8 +55,8 @@ from cachetier.geometry import Geometry
 from cachetier.store import TieredStore
 from core import device as devices
 from core.config import CSA, HASH_MOE, HCA, SLIDING, ModelConfig
+from core.configs import StepConfig, TierConfig
 from core.presets import V4_FLASH
-from core.roles import StepConfig, TierConfig
 from decode.runner import StepRunner, _forward
 from model.attention import decode_layer
 from model.model import V4Model

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from core.config import ModelConfig
-from core.roles import TierConfig, format_bytes
+from core.configs import TierConfig, format_bytes
 from kernels.kv_format import model_codec
 
 

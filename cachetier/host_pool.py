@@ -20,7 +20,7 @@ import os
 import torch
 
 from cachetier.geometry import block_rows
-from core.roles import format_bytes
+from core.configs import format_bytes
 
 log = logging.getLogger(__name__)
 

@@ -83,9 +83,9 @@ from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
 from core.config import CSA, HASH_MOE, SLIDING, WEIGHT_MODES, WEIGHTS_DEQUANTIZE, WEIGHTS_PACKED, ModelConfig
+from core.configs import TierConfig
 from core.kv_format import BF16, V4, fp4_key_bytes, fp8_main_row_bytes
 from core.parallel import WHOLE, ParallelLayout
-from core.roles import TierConfig
 
 # Cache kinds; the first five are spelled as in `cachetier.layout` (kept torch-free here on purpose).
 C4 = "c4"

@@ -49,7 +49,7 @@ from cachetier.geometry import block_tokens_for
 from cachetier.layout import CompressorState, KVLayout, LayerKV, append_rows
 from cachetier.prefix_disk import READ, SEG, STATE, WRITE, CorruptPart, DiskTier
 from core.config import ModelConfig
-from core.roles import PrefixCacheConfig
+from core.configs import PrefixCacheConfig
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from cachetier.resident import Resident, num_tokens_of
 from cachetier.tiered_batch import TieredBatch
 from core import device as devices
 from core.config import ModelConfig
-from core.roles import TierConfig
+from core.configs import TierConfig
 from core.types import NeverFitsError
 from kernels.host_write import write_rows
 

@@ -34,7 +34,7 @@ from cluster.prefill_actor import describe_worker
 from cluster.protocol import Capacity, DecodeInfo, DecodeStats, Dropped, Handoff, Outbox, Report, RequestGone, StepMessage
 from cluster.replica import ReplicaRank
 from cluster.steploop import StepThread, on_thread
-from core.roles import POLL_INTERVAL_S, DeadlineConfig, FaultConfig, StepConfig, StubConfig, TierConfig
+from core.configs import POLL_INTERVAL_S, DeadlineConfig, FaultConfig, StepConfig, StubConfig, TierConfig
 from core.types import HisparseError
 
 log = logging.getLogger(__name__)

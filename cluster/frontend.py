@@ -50,8 +50,8 @@ from cluster.protocol import (
     StepFailure,
     WorkerLost,
 )
+from core.configs import DeadlineConfig
 from core.request import Attempt, Request
-from core.roles import DeadlineConfig
 from core.types import DeadlineExceeded, RequestFailed, TokenEvent, WorkerUnavailable
 
 __all__ = ["Frontend", "Output"]

@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from cachetier.store import KVStore, TieredStore
+from core.configs import PrefillConfig, StepConfig, TierConfig
 from core.request import Attempt, Request
-from core.roles import PrefillConfig, StepConfig, TierConfig
 from core.types import PromptLogprob, RequestFailed, TokenEvent
 from decode.worker import DecodeRequest, DecodeWorker
 from model.grammar import GrammarEngine

@@ -26,8 +26,8 @@ from cluster.decode_actor import DecodeActor
 from cluster.prefill_actor import PrefillActor
 from cluster.protocol import COLLECTIVE_TRANSPORTS, NAMESPACE, ROLE_DECODE, ROLE_PREFILL, TRANSPORTS, DecodeInfo, PrefillInfo
 from cluster.replica import ReplicaSupervisor, create_replica, kill_replica, rank_names, serving_ranks
+from core.configs import ClusterConfig, ServeConfig
 from core.parallel import ParallelLayout
-from core.roles import ClusterConfig, ServeConfig
 
 log = logging.getLogger(__name__)
 

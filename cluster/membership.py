@@ -24,7 +24,7 @@ import ray
 from cluster.affinity import PrefixAffinity
 from cluster.outputs import Collectors
 from cluster.protocol import ACTOR_GONE, NAMESPACE, ActorInfo, DecodeStats, PrefillStats, Report, StepMessage, WorkerLost
-from core.roles import POLL_INTERVAL_S, DeadlineConfig
+from core.configs import POLL_INTERVAL_S, DeadlineConfig
 
 log = logging.getLogger(__name__)
 

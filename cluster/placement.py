@@ -18,8 +18,8 @@ import time
 from cluster.affinity import PrefixAffinity
 from cluster.membership import Member, Membership, _await
 from cluster.protocol import ACTOR_GONE
+from core.configs import POLL_INTERVAL_S, DeadlineConfig
 from core.request import Attempt, Request
-from core.roles import POLL_INTERVAL_S, DeadlineConfig
 from core.types import CapacityError, NeverFitsError, WorkerUnavailable
 
 

@@ -23,8 +23,8 @@ from cluster.describe import describe_worker
 from cluster.protocol import ACTOR_GONE, DecodeTarget, Handoff, PrefillInfo, PrefillOutcome, PrefillStats, StepFailure, WorkerLost
 from cluster.replica import ReplicaRank
 from cluster.steploop import StepThread, resolve
+from core.configs import DeadlineConfig, FaultConfig, PrefillConfig, StubConfig
 from core.request import Attempt
-from core.roles import DeadlineConfig, FaultConfig, PrefillConfig, StubConfig
 from core.types import DeadlineExceeded, HisparseError
 
 log = logging.getLogger(__name__)

@@ -12,9 +12,9 @@ import ray
 
 from cluster.frontend import Frontend
 from cluster.launch import Actors, create_actors, kill_actors, lookup_actors, start_ray
+from core.configs import ServeConfig
 from core.parallel import ParallelLayout
 from core.request import Request
-from core.roles import ServeConfig
 from core.types import TokenEvent
 from model.builtin import resolve_model_dir
 from model.config import end_of_sequence_ids, load_config

@@ -51,8 +51,8 @@ import torch.fx.experimental._config
 
 from cachetier.buckets import batch_bucket, batch_buckets, context_blocks
 from cachetier.store import KVStore
+from core.configs import StepConfig
 from core.parallel import WHOLE
-from core.roles import StepConfig
 from model.model import V4Model
 
 log = logging.getLogger(__name__)

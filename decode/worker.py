@@ -36,8 +36,8 @@ import torch
 
 from cachetier.layout import KVLayout, PackedLayout, unpack_layout
 from cachetier.store import IntegrityError, KVStore
+from core.configs import FaultConfig, StepConfig
 from core.request import Attempt, FailureKind, Request
-from core.roles import FaultConfig, StepConfig
 from core.types import SampledToken, SamplingParams, StepTokens, TokenEvent, finish_reason
 from decode.runner import StepRunner
 from model.grammar import GrammarEngine, GrammarMasks, GrammarState

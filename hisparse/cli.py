@@ -13,8 +13,7 @@ import logging
 import sys
 
 from core.config import WEIGHT_MODES
-from core.device import DTYPES
-from core.roles import (
+from core.configs import (
     COMPILE_BACKENDS,
     DECODE_MODES,
     PLACEMENTS,
@@ -31,6 +30,7 @@ from core.roles import (
     TierConfig,
     parse_bytes,
 )
+from core.device import DTYPES
 from core.types import SamplingParams
 from hisparse import bench_cmd, plan_cmd, train_cmd
 from hisparse.flags import Flag, add_flags, config, dest

@@ -1,6 +1,6 @@
 """Command-line flags made from the config dataclasses: each flag's default and description are its field's.
 
-A config field is written once — its default and its docstring in `core.roles` — and the command line reads
+A config field is written once — its default and its docstring in `core.configs` — and the command line reads
 both from there, so a default cannot drift between the dataclass, the parser and its help text. A `Flag` names
 the config class and field it sets; its value lands in `args` under `Class.field`, and `config(cls, args)`
 builds the config back from those values (what the flags do not set keeps the dataclass default).
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from core.roles import format_bytes
+from core.configs import format_bytes
 
 
 @cache

@@ -18,9 +18,9 @@ from types import MappingProxyType
 
 from cachetier.planner import GPU_MEMORY_BYTES, INDEX_FORMATS, KV_FORMATS, Plan, PlanError, PlanInputs, plan
 from core.config import WEIGHT_MODES, WEIGHTS_PACKED, ModelConfig
+from core.configs import TierConfig, format_bytes, parse_bytes
 from core.parallel import ParallelLayout
 from core.presets import PRESETS
-from core.roles import TierConfig, format_bytes, parse_bytes
 
 PUBLISHED_CHECKPOINT_BYTES = MappingProxyType({"v4-flash": 160 * 10**9, "v4-pro": 865 * 10**9})
 """Published checkpoint sizes of the presets (about 160 GB and 865 GB), to compare the weight estimate with."""

@@ -16,8 +16,8 @@ import dataclasses
 from pathlib import Path
 
 from core.config import ModelConfig
+from core.configs import ServeConfig, TierConfig, format_bytes
 from core.parallel import ParallelLayout
-from core.roles import ServeConfig, TierConfig, format_bytes
 
 
 class PreflightError(ValueError):

@@ -188,7 +188,7 @@ class V4Model(nn.Module):
         (or [1, vocab] of the last token with `last_only`, except for items whose `full_logits` flag
         is set) and its layout. `dense` runs the reference attention (every query against all entries,
         masked) instead of the sparse one; `entry_tile` bounds the compressed entries a chunk reads at
-        once (see `core.roles.PrefillConfig`).
+        once (see `core.configs.PrefillConfig`).
 
         `hidden_tail` > 0: also return, as a third list, each request's final streams [n, hc, hidden] of its
         last n = min(hidden_tail, its tokens) tokens: what the MTP block drafts from (`draft`) and writes its

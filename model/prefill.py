@@ -18,7 +18,7 @@ import torch
 
 from cachetier.layout import LayerKV, append_rows
 from core.config import CSA, HCA, ModelConfig
-from core.roles import PrefillConfig
+from core.configs import PrefillConfig
 from kernels.attention_ref import masked_attention_ref
 from kernels.prefill_attention import prefill_attention
 from kernels.prefill_attention_ref import QUERY_BLOCK

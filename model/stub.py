@@ -15,7 +15,7 @@ import torch
 
 from cachetier.batch import DecodeKV
 from cachetier.layout import KVLayout
-from core.roles import StubConfig
+from core.configs import StubConfig
 from model.model import V4Model
 
 

@@ -21,8 +21,8 @@ import torch
 
 from cachetier.layout import KVLayout, layout_format
 from cachetier.prefix import PrefixCache, PrefixHit
+from core.configs import PrefillConfig
 from core.request import Attempt
-from core.roles import PrefillConfig
 from core.types import InvalidRequestError, PromptLogprob, SampledToken, finish_reason
 from model.grammar import GrammarEngine, GrammarMasks
 from model.model import V4Model

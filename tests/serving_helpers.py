@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from core.roles import EAGER_STEP as EAGER  # noqa: F401 - the step the tests that are not about compiling run
+from core.configs import EAGER_STEP as EAGER  # noqa: F401 - the step the tests that are not about compiling run
 from model.parallel import free_port  # noqa: F401 - the tests' free port on 127.0.0.1, as replicas find theirs
 
 

@@ -21,8 +21,8 @@ from serving_helpers import EAGER, local_ray, run
 
 from cluster.membership import SILENCE_MIN_S
 from cluster.service import Service
+from core.configs import ClusterConfig, DeadlineConfig, PrefillConfig, ServeConfig, TierConfig
 from core.request import Request
-from core.roles import ClusterConfig, DeadlineConfig, PrefillConfig, ServeConfig, TierConfig
 from core.types import SamplingParams
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

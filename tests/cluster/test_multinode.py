@@ -12,8 +12,8 @@ from serving_helpers import EAGER, run
 from cluster.inprocess import InProcessEngine
 from cluster.protocol import ROLE_DECODE, ROLE_PREFILL
 from cluster.service import Service
+from core.configs import ClusterConfig, DeadlineConfig, ServeConfig, TierConfig
 from core.request import Request
-from core.roles import ClusterConfig, DeadlineConfig, ServeConfig, TierConfig
 from core.types import SamplingParams, WorkerUnavailable
 
 pytestmark = pytest.mark.ray

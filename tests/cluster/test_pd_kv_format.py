@@ -12,8 +12,8 @@ from serving_helpers import EAGER, local_ray, run
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service
+from core.configs import ClusterConfig, PrefillConfig, ServeConfig, TierConfig
 from core.request import Request
-from core.roles import ClusterConfig, PrefillConfig, ServeConfig, TierConfig
 from core.types import SamplingParams
 from model.loader import load_model
 

@@ -11,8 +11,8 @@ from serving_helpers import EAGER, complete_killing_prefill, local_ray, member_h
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service
+from core.configs import ClusterConfig, DeadlineConfig, PrefillConfig, ServeConfig, TierConfig
 from core.request import Request
-from core.roles import ClusterConfig, DeadlineConfig, PrefillConfig, ServeConfig, TierConfig
 from core.types import SamplingParams, WorkerUnavailable
 
 pytestmark = pytest.mark.ray

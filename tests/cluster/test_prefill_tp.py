@@ -16,8 +16,8 @@ from serving_helpers import EAGER, local_ray, run
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service
+from core.configs import ClusterConfig, PrefillConfig, PrefixCacheConfig, ServeConfig, TierConfig
 from core.request import Request
-from core.roles import ClusterConfig, PrefillConfig, PrefixCacheConfig, ServeConfig, TierConfig
 from core.types import SamplingParams
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]

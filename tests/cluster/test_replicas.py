@@ -19,8 +19,8 @@ import ray
 from serving_helpers import EAGER, complete_killing_prefill, free_port, start_gateway, stop_gateway, stream_with_fault
 
 from cluster.inprocess import InProcessEngine
+from core.configs import ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, StepConfig, TierConfig
 from core.request import Request
-from core.roles import ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, StepConfig, TierConfig
 from core.types import SamplingParams
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]

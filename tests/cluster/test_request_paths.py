@@ -15,8 +15,8 @@ from cachetier.layout import pack_layout
 from cluster.inprocess import InProcessEngine
 from cluster.protocol import DecodeTarget, Handoff, RequestGone
 from cluster.service import Service
+from core.configs import ClusterConfig, DeadlineConfig, FaultConfig, PrefillConfig, ServeConfig, TierConfig
 from core.request import Attempt, Request
-from core.roles import ClusterConfig, DeadlineConfig, FaultConfig, PrefillConfig, ServeConfig, TierConfig
 from core.types import CapacityError, HisparseError, RequestFailed, SampledToken, SamplingParams
 
 pytestmark = pytest.mark.ray

@@ -10,8 +10,8 @@ from serving_helpers import EAGER, local_ray, run
 
 from cluster.inprocess import InProcessEngine
 from cluster.service import Service
+from core.configs import ClusterConfig, ServeConfig, TierConfig
 from core.request import Request
-from core.roles import ClusterConfig, ServeConfig, TierConfig
 from core.types import SamplingParams
 
 pytestmark = pytest.mark.ray

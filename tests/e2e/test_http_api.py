@@ -12,8 +12,8 @@ import ray
 from serving_helpers import EAGER, free_port, start_gateway, stop_gateway
 
 from cluster.inprocess import InProcessEngine
+from core.configs import ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, TierConfig
 from core.request import Request
-from core.roles import ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, TierConfig
 from core.types import SamplingParams
 
 pytestmark = pytest.mark.ray

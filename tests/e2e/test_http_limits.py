@@ -10,7 +10,7 @@ import pytest
 import ray
 from serving_helpers import EAGER, free_port, start_gateway, stop_gateway
 
-from core.roles import ClusterConfig, DeadlineConfig, ServeConfig, ServerConfig, TierConfig
+from core.configs import ClusterConfig, DeadlineConfig, ServeConfig, ServerConfig, TierConfig
 
 pytestmark = pytest.mark.ray
 

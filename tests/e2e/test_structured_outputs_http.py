@@ -12,7 +12,7 @@ import pytest
 from pydantic import BaseModel, Field
 from serving_helpers import EAGER, free_port, start_gateway, stop_gateway
 
-from core.roles import ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, TierConfig
+from core.configs import ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, TierConfig
 
 pytestmark = pytest.mark.ray
 TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=5 * 2**20, host_pool_bytes=64 * 2**20, max_running=16)

@@ -135,7 +135,7 @@ def test_schema_takes_the_deadlines_hisparse_takes(value):
     # numbers and the numeric strings `--set` hands over alike.
     import jsonschema
 
-    from core.roles import DeadlineConfig
+    from core.configs import DeadlineConfig
 
     serve = chart_schema()["properties"]["serve"]["properties"]
     for name, field in SECONDS_VALUES.items():

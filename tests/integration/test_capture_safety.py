@@ -27,8 +27,8 @@ import torch
 
 from cachetier.store import TieredStore
 from core.config import CSA, HASH_MOE, HCA, MOE
+from core.configs import StepConfig, TierConfig
 from core.parallel import WHOLE, ParallelLayout
-from core.roles import StepConfig, TierConfig
 from decode.runner import StepRunner, _forward
 from kernels import formats, kv_format
 from kernels.capture_guard import HOST_DATA, CaptureUnsafe, capture_guard, fake_cuda

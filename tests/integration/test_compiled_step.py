@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 from hf_reference import hf_and_ours  # noqa: E402
 
 from cachetier.store import TieredStore  # noqa: E402
-from core.roles import StepConfig, TierConfig  # noqa: E402
+from core.configs import StepConfig, TierConfig  # noqa: E402
 from decode.runner import StepRunner  # noqa: E402
 
 TOL = 1e-4

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from cachetier.store import LayoutStore, TieredStore
-from core.roles import EAGER_STEP, StepConfig, TierConfig
+from core.configs import EAGER_STEP, StepConfig, TierConfig
 from core.types import SamplingParams
 from decode.worker import DecodeRequest, DecodeWorker
 from model.sampling import sample

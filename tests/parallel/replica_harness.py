@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from cachetier.store import TieredStore
+from core.configs import StepConfig, TierConfig
 from core.parallel import ParallelLayout
-from core.roles import StepConfig, TierConfig
 from core.types import SampledToken, SamplingParams
 
 DECODE_STEPS = 18

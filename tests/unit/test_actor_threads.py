@@ -20,8 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cachetier.layout import pack_layout
 from cluster.decode_actor import DecodeActor
 from cluster.protocol import Handoff
+from core.configs import EAGER_STEP, TierConfig
 from core.request import Attempt, Request
-from core.roles import EAGER_STEP, TierConfig
 from core.types import SamplingParams, plain_token
 
 TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=4 * 2**20, host_pool_bytes=16 * 2**20)

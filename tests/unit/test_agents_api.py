@@ -21,7 +21,7 @@ from test_gateway import FakeService, _events
 
 from api.app import build_app
 from cluster.frontend import Output
-from core.roles import ServerConfig
+from core.configs import ServerConfig
 from core.types import PromptLogprob, SampledToken, TokenEvent
 from model.builtin import SHIPPED
 from model.grammar import GrammarEngine

@@ -17,7 +17,7 @@ import kernels.index_topk_ref as ref
 from bench.indexer import Before, arena, measure, picks
 from cachetier.batch import LayoutBatch
 from cachetier.store import TieredStore
-from core.roles import TierConfig
+from core.configs import TierConfig
 from kernels.capture_guard import capture_guard, fake_cuda
 from kernels.index_topk import index_topk
 from kernels.index_topk_ref import PagedKeys, entry_scores, index_topk_ref

@@ -10,7 +10,7 @@ import torch
 from serving_helpers import EAGER  # noqa: E402
 
 from cachetier.store import TieredStore
-from core.roles import FaultConfig, StubConfig, TierConfig
+from core.configs import FaultConfig, StubConfig, TierConfig
 from core.types import SampledToken, SamplingParams
 from decode.worker import DecodeRequest, DecodeWorker
 from model.sampling import sample

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from cachetier.buckets import batch_bucket, batch_buckets, context_blocks, gather_len
 from cachetier.store import TieredStore
 from core.config import ModelConfig
-from core.roles import StepConfig, TierConfig
+from core.configs import StepConfig, TierConfig
 
 
 def test_bucket_rules():

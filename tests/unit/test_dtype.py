@@ -70,7 +70,7 @@ def test_bf16_logits_within_the_stated_tolerance_of_fp32(tiny_dir):
 
 
 def test_actors_take_a_gpu_each_where_the_cluster_has_gpus():
-    from core.roles import ClusterConfig
+    from core.configs import ClusterConfig
 
     assert ClusterConfig().prefill_num_gpus is None and ClusterConfig().decode_num_gpus is None  # decided with Ray up
     assert ClusterConfig().gpus_per_actor(8) == (1.0, 1.0)

@@ -14,8 +14,8 @@ import pytest
 from cluster.frontend import Frontend
 from cluster.placement import Placement
 from cluster.protocol import Capacity, DecodeInfo, Delta, PrefillInfo, PrefillStats, Report, StepFailure, StepMessage
+from core.configs import DeadlineConfig
 from core.request import Attempt, Request
-from core.roles import DeadlineConfig
 from core.types import SamplingParams
 
 COMMON = dict(node_id="n", pid=1, layout_format="f", describe="cpu")
@@ -103,7 +103,7 @@ def test_a_layout_that_cannot_be_packed_fails_its_request_at_once(tiny_dir, monk
     """A failure between the step and the handoff (packing the layout) settles the request with a retryable
     error right away; today it waited out --prefill-timeout-s."""
     import cluster.prefill_actor as pa
-    from core.roles import PrefillConfig
+    from core.configs import PrefillConfig
 
     def broken(layout, fmt):
         raise RuntimeError("no room to pack")

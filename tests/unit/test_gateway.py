@@ -16,7 +16,7 @@ import pytest
 
 from api.app import build_app
 from cluster.frontend import Output
-from core.roles import ServerConfig
+from core.configs import ServerConfig
 from core.types import PromptLogprob, SampledToken, TokenEvent
 from model.builtin import SHIPPED
 from model.config import load_config

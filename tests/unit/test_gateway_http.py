@@ -25,7 +25,7 @@ from api.app import build_app
 from api.server import uvicorn_config
 from bench.gateway_stall import HealthProbe
 from cluster.frontend import Output
-from core.roles import ServerConfig
+from core.configs import ServerConfig
 from core.types import SampledToken, TokenEvent
 from model.builtin import SHIPPED
 from model.parallel import free_port

@@ -11,7 +11,7 @@ from cachetier import planner
 from cachetier.geometry import Geometry
 from cachetier.store import TieredStore
 from core.config import CSA, HCA, SLIDING
-from core.roles import TierConfig
+from core.configs import TierConfig
 from model.builtin import tiny_config
 
 

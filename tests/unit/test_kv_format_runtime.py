@@ -12,9 +12,9 @@ import torch
 
 from cachetier.layout import pack_layout, unpack_layout
 from cachetier.store import LayoutStore, TieredStore
+from core.configs import TierConfig
 from core.kv_format import fp4_key_bytes, fp8_main_row_bytes
 from core.request import Attempt, Request
-from core.roles import TierConfig
 from model.loader import load_model
 
 PROMPTS = (40, 133)
@@ -106,7 +106,7 @@ def test_packed_layout_and_arena_hold_bytes(models):
 def test_captured_step_with_packed_kv_equals_eager(models, offload):
     """The fixed-shape step captured whole (`torch.compile(fullgraph=True)`, eager backend) with packed rows:
     no graph break (no host sync, no data-dependent shape) and the eager step's logits."""
-    from core.roles import StepConfig
+    from core.configs import StepConfig
     from decode.runner import StepRunner
 
     model = models["v4"]
@@ -136,7 +136,7 @@ def test_captured_step_with_packed_kv_equals_eager(models, offload):
 
 def test_prefix_cache_holds_packed_rows(models):
     """Prefill resumed from cached packed pages and state equals a cold packed prefill (same bytes, same logits)."""
-    from core.roles import PrefillConfig, PrefixCacheConfig
+    from core.configs import PrefillConfig, PrefixCacheConfig
     from core.types import SamplingParams
     from prefill.worker import PrefillWorker
 

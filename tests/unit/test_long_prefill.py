@@ -10,8 +10,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from cachetier.layout import KVLayout, append_rows, reserve_rows, row_capacity
+from core.configs import PrefillConfig
 from core.request import Attempt, Request
-from core.roles import PrefillConfig
 from core.types import SamplingParams
 from model.prefill import chunk_transient_bytes, prefill_layer
 from prefill.worker import PrefillWorker

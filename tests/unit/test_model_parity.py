@@ -179,7 +179,7 @@ def test_layout_pickles_and_reports_bytes(pair):
 def test_prompt_logprobs_equal_hf_log_softmax(pair):
     """Prompt scores for echo + logprobs: chunked prefill, the first token without a score, each other token
     scored by the logits before it (HF's log-softmax of a full forward)."""
-    from core.roles import PrefillConfig
+    from core.configs import PrefillConfig
     from prefill.worker import PrefillWorker
 
     hf, ours = pair

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
+from core.configs import PrefillConfig
 from core.request import Attempt, Request
-from core.roles import PrefillConfig
 from core.types import SamplingParams
 from kernels.capture_guard import fake_cuda
 from prefill.worker import PrefillWorker, _Pending

@@ -58,7 +58,7 @@ def test_memory_is_bounded_and_keeps_short_prefixes_longest():
 def test_keys_are_the_cache_page_names_and_seeding(tiny_model):
     from cachetier.layout import layout_format
     from cachetier.prefix import PrefixCache
-    from core.roles import PrefixCacheConfig
+    from core.configs import PrefixCacheConfig
 
     cache = PrefixCache(tiny_model.cfg, PrefixCacheConfig(enabled=True, page_tokens=32),
                         layout_format(tiny_model.cfg, tiny_model.dtype))

@@ -11,8 +11,8 @@ import torch
 
 from cachetier.layout import layout_format
 from cachetier.prefix import PrefixCache
+from core.configs import PrefillConfig, PrefixCacheConfig
 from core.request import Attempt, Request
-from core.roles import PrefillConfig, PrefixCacheConfig
 from core.types import SamplingParams
 from model.sampling import sample
 from prefill.worker import PrefillWorker

@@ -24,7 +24,7 @@ import torch
 from cachetier.layout import layout_format
 from cachetier.prefix import PrefixCache
 from cachetier.prefix_disk import MAGIC, TMP
-from core.roles import PrefixCacheConfig
+from core.configs import PrefixCacheConfig
 
 PAGE = 64  # the built-in model's files at this page: ~12 KB per page, ~66 KB per state snapshot
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from api.metrics import Metrics
-from core.roles import PrefixCacheConfig
+from core.configs import PrefixCacheConfig
 from hisparse.cli import build_parser, serve_config
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cachetier.store import TieredStore
-from core.roles import StubConfig, TierConfig
+from core.configs import StubConfig, TierConfig
 from core.types import SampledToken, SamplingParams
 from decode.worker import DecodeRequest, DecodeWorker
 from model.sampling import (

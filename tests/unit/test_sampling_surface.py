@@ -11,8 +11,8 @@ import torch
 from serving_helpers import EAGER  # noqa: E402
 
 from cachetier.store import TieredStore
+from core.configs import PrefillConfig, StubConfig, TierConfig
 from core.request import Attempt, Request
-from core.roles import PrefillConfig, StubConfig, TierConfig
 from core.types import InvalidRequestError, SampledToken, SamplingParams, finish_reason
 from decode.worker import DecodeRequest, DecodeWorker, _Group, _Running
 from model import sampling as smp

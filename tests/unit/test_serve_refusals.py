@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from core.roles import (
+from core.configs import (
     PREFIX_HOST_CAP,
     ClusterConfig,
     FieldError,

@@ -13,8 +13,8 @@ import pytest
 
 from cachetier.store import TieredStore
 from cluster.inprocess import InProcessEngine, decode_request
+from core.configs import EAGER_STEP, StepConfig, TierConfig
 from core.request import Attempt, Request
-from core.roles import EAGER_STEP, StepConfig, TierConfig
 from core.structure import Structure
 from core.types import SamplingParams
 from decode.worker import DecodeRequest, DecodeWorker

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cachetier.store import TieredStore
+from core.configs import PrefillConfig, PrefixCacheConfig, StubConfig, TierConfig
 from core.request import Attempt, Request
-from core.roles import PrefillConfig, PrefixCacheConfig, StubConfig, TierConfig
 from core.types import SamplingParams
 from decode.worker import DecodeRequest, DecodeWorker
 from model.stub import StubModel

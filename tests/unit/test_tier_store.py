@@ -11,7 +11,7 @@ from serving_helpers import EAGER  # noqa: E402
 from cachetier.geometry import BudgetTooSmall, Geometry
 from cachetier.pages import PageAllocator
 from cachetier.store import IntegrityError, TieredStore
-from core.roles import TierConfig
+from core.configs import TierConfig
 from core.types import NeverFitsError, SamplingParams
 from decode.worker import DecodeRequest, DecodeWorker
 from model.sampling import sample
