@@ -68,7 +68,8 @@ class ServeBenchConfig:
     percentiles: tuple[float, ...] = (50.0, 99.0)
     """Percentiles reported for every latency (50 and 99 are always included)."""
     extra_body: dict | None = None
-    """Extra fields merged into every request body (e.g. {"temperature": 0.7})."""
+    """Extra fields merged into every request body (e.g. {"temperature": 0.7}); a null value removes a field this
+    bench sends itself (e.g. {"ignore_eos": null} for a server that refuses fields it does not know)."""
     progress: bool = True
     """Show a tqdm progress bar on stderr."""
 
@@ -169,7 +170,11 @@ def request_body(cfg: ServeBenchConfig, model: str, prompt: list[int] | str) -> 
         body["prompt"] = prompt
     else:
         body["messages"] = [{"role": "user", "content": prompt}]
-    body.update(cfg.extra_body or {})
+    for key, value in (cfg.extra_body or {}).items():
+        if value is None:
+            body.pop(key, None)
+        else:
+            body[key] = value
     return body
 
 

@@ -6,7 +6,8 @@
 Each server runs as its own process, started the way a user starts it, and the load is `hisparse bench
 serve` (streaming chat completions, `ignore_eos`), another process per run. Ours is started fresh with its
 defaults (`--decode-mode auto`: the step is compiled before the server says it is healthy, so the time to
-healthy is reported as the first-start cost); then every concurrency runs its `num_prompts` requests. The
+healthy, from an empty Inductor cache, is reported as the first-start cost); then every concurrency runs its
+`num_prompts` requests, and one more start from the cache the first filled gives a restart's cost. The
 peer is `transformers serve` in its plain mode (its continuous batching refuses V4's layer types), which
 generates one request at a time; its figures at higher concurrency show that. Reported per concurrency
 and server: requests completed, output tokens delivered against those asked for, output tokens/s, and
@@ -37,10 +38,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(cmd: list[str], url: str, timeout_s: float, log_path: str) -> tuple[subprocess.Popen, float]:
+def _start(cmd: list[str], url: str, timeout_s: float, log_path: str, env_extra: dict | None = None) -> tuple[subprocess.Popen, float]:
     """Start a server process and wait for /health; returns it and the seconds it took to be healthy."""
     log = open(log_path, "w")  # noqa: SIM115 - the server writes to it for its whole life
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env_extra or {}))
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
@@ -66,12 +67,14 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def _load(url: str, model: str, concurrency: int, a: argparse.Namespace) -> dict:
+def _load(url: str, model: str, concurrency: int, a: argparse.Namespace, extra_body: dict | None = None) -> dict:
     """One `hisparse bench serve` run in its own process; the fields of its JSON this bench reports."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, "-m", "hisparse.cli", "bench", "serve", "--url", url, "--model", model, "--endpoint", "chat",
                "--num-prompts", str(a.num_prompts), "--max-concurrency", str(concurrency), "--input-len", str(a.input_len),
                "--output-len", str(a.output_len), "--no-progress", "--result-file", f.name, "--timeout", "900"]
+        if extra_body:
+            cmd += ["--extra-body", json.dumps(extra_body)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=3600)
         res = json.load(open(f.name))
     tpot = res.get("median_tpot_ms")
@@ -83,17 +86,25 @@ def _load(url: str, model: str, concurrency: int, a: argparse.Namespace) -> dict
     return out
 
 
-def _server_runs(name: str, cmd: list[str], url: str, model: str, a: argparse.Namespace, timeout_s: float) -> dict:
+def _server_runs(name: str, cmd: list[str], url: str, model: str, a: argparse.Namespace, timeout_s: float,
+                 env_extra: dict | None = None, restart: bool = False, extra_body: dict | None = None) -> dict:
+    """Start the server, run every concurrency against it, stop it; with `restart`, start it once more with the
+    same environment (the compile cache the first start filled) and report how long that took to be healthy."""
     log_path = os.path.join(tempfile.gettempdir(), f"bench-served-{name}.log")
     progress(f"{name}: starting ({' '.join(cmd[:4])} ...; log {log_path})")
-    proc, ready_s = _start(cmd, url, timeout_s, log_path)
+    proc, ready_s = _start(cmd, url, timeout_s, log_path, env_extra)
     out = {"healthy_after_s": round(ready_s, 1), "by_concurrency": {}}
     try:
         for c in a.concurrency:
             progress(f"{name}: {a.num_prompts} requests at concurrency {c}")
-            out["by_concurrency"][str(c)] = _load(url, model, c, a)
+            out["by_concurrency"][str(c)] = _load(url, model, c, a, extra_body)
     finally:
         _stop(proc)
+    if restart:
+        progress(f"{name}: restarting (its compile cache now warm)")
+        proc, again_s = _start(cmd, url, timeout_s, log_path + ".restart", env_extra)
+        _stop(proc)
+        out["restart_healthy_after_s"] = round(again_s, 1)
     return out
 
 
@@ -117,13 +128,20 @@ def main(argv: list[str] | None = None) -> None:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     ours = [sys.executable, "-m", "hisparse.cli", "serve", "--port", str(port), "--model", a.model, *shlex.split(a.serve_args)]
-    result["hisparse"] = _server_runs("hisparse", ours, url, served_name, a, a.ready_timeout_s)
+    # a fresh Inductor cache: the first start is what a new user's first start costs, the restart what every later one does
+    cache_dir = tempfile.mkdtemp(prefix="bench-served-inductor-")
+    result["hisparse"] = _server_runs("hisparse", ours, url, served_name, a, a.ready_timeout_s,
+                                      {"TORCHINDUCTOR_CACHE_DIR": cache_dir}, restart=True)
     if not a.no_peer:
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         peer = [sys.executable, "-c", "import sys; from transformers.cli.transformers import main; sys.exit(main())",
                 "serve", model_dir, "--host", "127.0.0.1", "--port", str(port)]
-        result["transformers"] = _server_runs("transformers", peer, url, model_dir, a, 600)
+        progress("hisparse: " + json.dumps(result["hisparse"]))  # kept in the log should the peer's run fail
+        # transformers serve refuses fields it does not know (ignore_eos); its own generation_config holds the
+        # output to the same length
+        same_length = {"ignore_eos": None, "generation_config": json.dumps({"min_new_tokens": a.output_len})}
+        result["transformers"] = _server_runs("transformers", peer, url, model_dir, a, 600, extra_body=same_length)
         ratios = {}
         for c in map(str, a.concurrency):
             ours_c, theirs_c = result["hisparse"]["by_concurrency"][c], result["transformers"]["by_concurrency"][c]

@@ -25,6 +25,7 @@ from bench.serve import (
     ServeBenchConfig,
     arrival_offsets,
     build_prompts,
+    request_body,
     run_serve_bench,
     serve_bench,
     spread_tokens,
@@ -282,3 +283,14 @@ def test_token_spreading_and_gaps():
 def test_config_rejects_nonsense(bad):
     with pytest.raises(ValueError):
         ServeBenchConfig(**bad)
+
+
+def test_extra_body_adds_overrides_and_removes_fields():
+    """The peer comparison needs a body without ignore_eos (transformers serve refuses unknown fields): a null
+    removes a field the bench sends, anything else is merged."""
+    cfg = ServeBenchConfig(endpoint="chat", output_len=7,
+                           extra_body={"ignore_eos": None, "temperature": 0.5, "max_tokens": 9, "absent": None})
+    body = request_body(cfg, "m", "hello")
+    assert "ignore_eos" not in body and "absent" not in body
+    assert body["temperature"] == 0.5 and body["max_tokens"] == 9 and body["messages"][0]["content"] == "hello"
+    assert request_body(ServeBenchConfig(endpoint="chat"), "m", "x")["ignore_eos"] is True
