@@ -72,6 +72,9 @@ class ServeBenchConfig:
     bench sends itself (e.g. {"ignore_eos": null} for a server that refuses fields it does not know)."""
     progress: bool = True
     """Show a tqdm progress bar on stderr."""
+    require_done: bool = True
+    """A stream must end with `data: [DONE]` (OpenAI's contract, which this server keeps); off, a stream whose last
+    chunk carries a finish_reason also counts as complete (transformers serve ends there)."""
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.input_len < 1 or self.output_len < 1:
@@ -234,14 +237,15 @@ def token_gaps(chunk_times: list[float], chunk_tokens: list[int]) -> list[float]
     return gaps
 
 
-async def send_request(client: httpx.AsyncClient, path: str, body: dict, result: RequestResult, bench_t0: float) -> None:
+async def send_request(client: httpx.AsyncClient, path: str, body: dict, result: RequestResult, bench_t0: float,
+                       require_done: bool = True) -> None:
     """Stream one request and fill `result`; never raises for server or network trouble."""
     t0 = time.perf_counter()
     result.start_offset_s = t0 - bench_t0
     chunk_times: list[float] = []
     chunk_counts: list[int | None] = []
     usage: dict | None = None
-    done = False
+    done = finished = False
     try:
         async with client.stream("POST", path, json=body) as resp:
             if resp.status_code != 200:
@@ -266,12 +270,13 @@ async def send_request(client: httpx.AsyncClient, path: str, body: dict, result:
                     chunk_counts.append(count)
                 if chunk.get("usage"):
                     usage = chunk["usage"]
+                finished = finished or any(c.get("finish_reason") for c in chunk.get("choices") or ())
         end = time.perf_counter()
     except Exception as e:  # any transport or decoding failure is one failed request, not a failed benchmark
         result.error = f"{type(e).__name__}: {e}"
         return
-    if not done:
-        result.error = "stream ended before [DONE]"
+    if not done and (require_done or not finished):
+        result.error = "stream ended before [DONE]" if finished or require_done else "stream ended before a finish_reason"
         return
     if not chunk_times:
         result.error = "no tokens in the stream"
@@ -335,7 +340,7 @@ async def _run(cfg: ServeBenchConfig, client: httpx.AsyncClient, model: str) -> 
         in_flight[0] += 1
         in_flight[1] = max(in_flight[1], in_flight[0])
         try:
-            await send_request(client, path, request_body(cfg, model, prompts[i]), results[i], t0)
+            await send_request(client, path, request_body(cfg, model, prompts[i]), results[i], t0, cfg.require_done)
         finally:
             in_flight[0] -= 1
             if gate is not None:

@@ -105,6 +105,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     s.add_argument("--plot", default=None, metavar="PNG",
                    help="write a PNG: latency CDFs of one run, or p50/p99 against offered load with --sweep-rates")
     s.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    s.add_argument("--no-require-done", action="store_true",
+                   help="count a stream that ends on a finish_reason chunk without data: [DONE] as complete (transformers serve)")
     return bench
 
 
@@ -145,6 +147,7 @@ def _serve(args: argparse.Namespace) -> int:
             request_rate=args.request_rate, max_concurrency=args.max_concurrency, model=args.model,
             endpoint=args.endpoint, seed=args.seed, vocab_range=tuple(args.vocab_range), timeout_s=args.timeout,
             percentiles=tuple(args.percentiles), extra_body=args.extra_body, progress=not args.no_progress,
+            require_done=not args.no_require_done,
         )
     except ValueError as e:
         print(f"hisparse bench serve: {e}", file=sys.stderr)

@@ -37,9 +37,11 @@ MODEL = "fake-model"
 TOKEN_DELAY_S = 0.002
 
 
-def make_app(*, tokens_per_chunk: int = 1, fail_every: int = 0, send_usage: bool = True, token_ids: bool = False) -> FastAPI:
+def make_app(*, tokens_per_chunk: int = 1, fail_every: int = 0, send_usage: bool = True, token_ids: bool = False,
+             send_done: bool = True) -> FastAPI:
     """A streaming server: every `fail_every`-th request answers 500; chunks carry `tokens_per_chunk` tokens
-    (listed in a vLLM-style `token_ids` field of the choice when `token_ids`)."""
+    (listed in a vLLM-style `token_ids` field of the choice when `token_ids`); without `send_done` a stream ends
+    on its finish_reason chunk (as transformers serve's do)."""
     app = FastAPI()
     counter = itertools.count(1)
 
@@ -84,7 +86,8 @@ def make_app(*, tokens_per_chunk: int = 1, fail_every: int = 0, send_usage: bool
                 usage = {"prompt_tokens": prompt_tokens, "completion_tokens": num_tokens,
                          "total_tokens": prompt_tokens + num_tokens}
                 yield "data: " + json.dumps({"id": "x", "object": kind, "model": MODEL, "choices": [], "usage": usage}) + "\n\n"
-            yield "data: [DONE]\n\n"
+            if send_done:
+                yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -246,6 +249,18 @@ def test_sweep_with_plot(server, tmp_path, capsys):
         _check_run(run, num=8, output_len=4, input_len=6)
         assert run["p50_e2el_ms"] <= run["p90_e2el_ms"] <= run["p99_e2el_ms"]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_streams_without_done_fail_unless_told_and_then_count():
+    def run(require_done: bool) -> dict:
+        cfg = ServeBenchConfig(base_url="http://in-process", endpoint="chat", num_prompts=3, input_len=3, output_len=4,
+                               max_concurrency=3, progress=False, require_done=require_done)
+        return asyncio.run(serve_bench(cfg, transport=httpx.ASGITransport(app=make_app(send_done=False))))
+
+    strict = run(True)
+    assert strict["completed"] == 0 and strict["failed"] == 3
+    lenient = run(False)
+    assert lenient["completed"] == 3 and lenient["total_output_tokens"] == 12
 
 
 def test_in_process_app_through_an_asgi_transport():
