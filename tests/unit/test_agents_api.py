@@ -661,7 +661,7 @@ def test_every_openai_request_field_is_honoured_or_refused(tok, route, module, t
 # the output constraint record ----------------------------------------------------------------------------
 
 
-def test_output_constraints_become_one_record_and_are_refused_until_enforced(tok):
+def test_output_constraints_become_one_record_and_are_refused_without_a_grammar_engine(tok):
     schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
     cases = [
         ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
