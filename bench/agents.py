@@ -20,17 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 
-import httpx
 import jsonschema
 
 from bench.common import emit, environment, progress
+from bench.procs import free_port, launch, stop
 
 LONG = {"type": "object", "properties": {"notes": {"type": "string", "minLength": 400, "maxLength": 2000}},
         "required": ["notes"], "additionalProperties": False}
@@ -123,38 +120,18 @@ def _compile_times(tok, vocab: int, eos) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _conversation(turns: int, ready_timeout_s: float) -> dict:
     import openai
 
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = os.path.join(tempfile.gettempdir(), f"bench-agents-{port}.log")
     cmd = [sys.executable, "-m", "hisparse.cli", "serve", "--model", "tiny", "--port", str(port), "--decode-mode", "eager",
            "--placement", "any"]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"))
     result = {"turns": turns, "turns_completed": 0, "calls_parsed": 0, "valid_arguments": 0, "log": log_path}
+    proc, ready_s = launch(cmd, url, ready_timeout_s, log_path)
     try:
-        t0 = time.monotonic()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"hisparse serve exited with {proc.returncode}; see {log_path}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - t0 > ready_timeout_s:
-                raise TimeoutError(f"hisparse serve was not healthy within {ready_timeout_s:.0f} s; see {log_path}")
-            time.sleep(1.0)
-        result["ready_s"] = round(time.monotonic() - t0, 1)
+        result["ready_s"] = round(ready_s, 1)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
         schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
         messages = [{"role": "system", "content": "You are a coding agent. Use the tools."}]
@@ -193,13 +170,7 @@ def _conversation(turns: int, ready_timeout_s: float) -> dict:
             progress(f"turn {turn + 1}/{turns}: {[c['name'] for c in calls.values()]}")
         result["conversation_s"] = round(time.monotonic() - t0, 2)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop(proc)
     return result
 
 

@@ -20,51 +20,12 @@ import argparse
 import json
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-
-import httpx
 
 from bench.common import emit, environment, progress
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(cmd: list[str], url: str, timeout_s: float, log_path: str, env_extra: dict | None = None) -> tuple[subprocess.Popen, float]:
-    """Start a server process and wait for /health; returns it and the seconds it took to be healthy."""
-    log = open(log_path, "w")  # noqa: SIM115 - the server writes to it for its whole life
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env_extra or {}))
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[:3]} exited with {proc.returncode}; see {log_path}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, time.monotonic() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    _stop(proc)
-    raise TimeoutError(f"{cmd[:3]} did not become healthy within {timeout_s:.0f} s; see {log_path}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+from bench.procs import free_port, launch, stop
 
 
 def _load(url: str, model: str, concurrency: int, a: argparse.Namespace, extra_body: dict | None = None) -> dict:
@@ -92,18 +53,18 @@ def _server_runs(name: str, cmd: list[str], url: str, model: str, a: argparse.Na
     same environment (the compile cache the first start filled) and report how long that took to be healthy."""
     log_path = os.path.join(tempfile.gettempdir(), f"bench-served-{name}.log")
     progress(f"{name}: starting ({' '.join(cmd[:4])} ...; log {log_path})")
-    proc, ready_s = _start(cmd, url, timeout_s, log_path, env_extra)
+    proc, ready_s = launch(cmd, url, timeout_s, log_path, env_extra)
     out = {"healthy_after_s": round(ready_s, 1), "by_concurrency": {}}
     try:
         for c in a.concurrency:
             progress(f"{name}: {a.num_prompts} requests at concurrency {c}")
             out["by_concurrency"][str(c)] = _load(url, model, c, a, extra_body)
     finally:
-        _stop(proc)
+        stop(proc)
     if restart:
         progress(f"{name}: restarting (its compile cache now warm)")
-        proc, again_s = _start(cmd, url, timeout_s, log_path + ".restart", env_extra)
-        _stop(proc)
+        proc, again_s = launch(cmd, url, timeout_s, log_path + ".restart", env_extra)
+        stop(proc)
         out["restart_healthy_after_s"] = round(again_s, 1)
     return out
 
@@ -125,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     served_name = "tiny" if a.model == "tiny" else os.path.basename(model_dir.rstrip("/"))
     result: dict = {"benchmark": "served", "env": environment(), "num_prompts": a.num_prompts, "input_len": a.input_len,
                     "output_len": a.output_len, "concurrency": a.concurrency}
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     ours = [sys.executable, "-m", "hisparse.cli", "serve", "--port", str(port), "--model", a.model, *shlex.split(a.serve_args)]
     # a fresh Inductor cache: the first start is what a new user's first start costs, the restart what every later one does
@@ -133,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     result["hisparse"] = _server_runs("hisparse", ours, url, served_name, a, a.ready_timeout_s,
                                       {"TORCHINDUCTOR_CACHE_DIR": cache_dir}, restart=True)
     if not a.no_peer:
-        port = _free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         peer = [sys.executable, "-c", "import sys; from transformers.cli.transformers import main; sys.exit(main())",
                 "serve", model_dir, "--host", "127.0.0.1", "--port", str(port)]

@@ -17,50 +17,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 
-import httpx
-
 from bench.common import emit, environment, progress
-from bench.procs import cpu_by_role, cpu_seconds
+from bench.procs import cpu_by_role, cpu_seconds, free_port, launch, stop
 from bench.sse_client import run_streams, window_rate
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_free_port = free_port  # the name chaos, longctx_http and prefix import
 
 
 def start_server(args: list[str], port: int, timeout_s: float = 300) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "hisparse.cli", "serve", "--port", str(port), *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop_server(proc)
-    raise TimeoutError("the server did not become healthy")
+    """`hisparse serve --port PORT ARGS`, healthy."""
+    cmd = [sys.executable, "-m", "hisparse.cli", "serve", "--port", str(port), *args]
+    return launch(cmd, f"http://127.0.0.1:{port}", timeout_s)[0]
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+stop_server = stop
 
 
 def run(streams: int, step_ms: float, prefill_ms: float, output_len: int, api_workers: int, prompt_len: int) -> dict:
