@@ -17,7 +17,7 @@ import sys
 
 import httpx
 import pytest
-from test_gateway import FakeService, _events
+from test_gateway import FakeService, FrontendBasics, _events
 
 from api.app import build_app
 from cluster.frontend import Output
@@ -39,7 +39,7 @@ def tok():
     return load_tokenizer(SHIPPED)
 
 
-class TextFrontend:
+class TextFrontend(FrontendBasics):
     """Answers every request with the tokens of a text (`answer(request) -> text`, or one text for all), then
     end of sequence (finish `stop`), `batch` tokens per output; records the requests it is sent. `top`: the
     top logprobs each token carries when asked (default: the token itself)."""
@@ -47,19 +47,6 @@ class TextFrontend:
     def __init__(self, tok, answer, batch: int = 1, top=None) -> None:
         self.tok, self.answer, self.batch, self.top = tok, answer, batch, top
         self.requests = []
-        self.ids = iter(range(10**9))
-
-    def ready(self) -> bool:
-        return True
-
-    def new_request_id(self) -> str:
-        return f"req-{next(self.ids)}"
-
-    def check_admissible(self, req) -> None:
-        pass
-
-    def stats(self) -> dict:
-        return {}
 
     def prompt_text(self, i: int = -1) -> str:
         return self.tok.decode(list(self.requests[i].prompt_token_ids), skip_special=False)

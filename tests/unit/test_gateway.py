@@ -23,18 +23,17 @@ from model.config import load_config
 from model.tokenizer import load_tokenizer
 
 
-class ScriptedFrontend:
-    """Answers every request with the same tokens, in batches of `batch` per output."""
+class FrontendBasics:
+    """What the gateway asks of a frontend besides `generate`: always ready, admits everything, numbered ids."""
 
-    def __init__(self, tokens: list[int], batch: int = 1, hold: asyncio.Event | None = None) -> None:
-        self.tokens, self.batch, self.hold = tokens, batch, hold
-        self.started, self.closed = 0, 0
-        self.ids = iter(range(10**9))
+    ids = None
 
     def ready(self) -> bool:
         return True
 
     def new_request_id(self) -> str:
+        if self.ids is None:
+            self.ids = iter(range(10**9))
         return f"req-{next(self.ids)}"
 
     def check_admissible(self, req) -> None:
@@ -42,6 +41,14 @@ class ScriptedFrontend:
 
     def stats(self) -> dict:
         return {}
+
+
+class ScriptedFrontend(FrontendBasics):
+    """Answers every request with the same tokens, in batches of `batch` per output."""
+
+    def __init__(self, tokens: list[int], batch: int = 1, hold: asyncio.Event | None = None) -> None:
+        self.tokens, self.batch, self.hold = tokens, batch, hold
+        self.started, self.closed = 0, 0
 
     async def generate(self, req, seed=None):  # the seed is on the request where the frontend takes one argument
         self.started += 1
