@@ -25,13 +25,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-import xgrammar as xgr
-from xgrammar import structural_tag as st
 
 from core.structure import Structure
 from core.types import InvalidRequestError
+
+if TYPE_CHECKING:  # imported where used: the decode path imports this module on machines without xgrammar
+    import xgrammar as xgr
+    from xgrammar import structural_tag as st
 
 THINK_CLOSE = "</think>"
 DSML = "\uff5cDSML\uff5c"
@@ -61,6 +64,7 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 def _tokenizer_info(tokenizer, vocab_size: int, stop_ids: Sequence[int]) -> xgr.TokenizerInfo:
+    import xgrammar as xgr
     inner = tokenizer.inner
     n = inner.get_vocab_size(with_added_tokens=True)
     if n > vocab_size:
@@ -78,6 +82,7 @@ def _tokenizer_info(tokenizer, vocab_size: int, stop_ids: Sequence[int]) -> xgr.
 
 
 def _json_format(schema) -> st.JSONSchemaFormat:
+    from xgrammar import structural_tag as st
     return st.JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=MAX_WHITESPACE)
 
 
@@ -85,6 +90,7 @@ def _tool_call_format(spec: dict) -> st.Format:
     """The model's call syntax around each allowed tool's parameters (see `core.structure.STRUCTURE_KINDS`):
     `required` (or a named tool) means the output is the call(s) and nothing else; otherwise free text in which
     every call the model opens is held to its tool's schema (a non-strict tool's arguments to any object)."""
+    from xgrammar import structural_tag as st
     tools = spec.get("tools") or []
     if spec.get("name") is not None:
         tools = [t for t in tools if t.get("name") == spec["name"]]
@@ -122,6 +128,7 @@ def _tool_call_format(spec: dict) -> st.Format:
 
 def structure_format(structure: Structure) -> st.Format:
     """The structural tag format a structure asks for (see `core.structure.STRUCTURE_KINDS` for its spec)."""
+    from xgrammar import structural_tag as st
     kind, spec = structure.kind, structure.spec
     if kind == "json_schema":
         fmt = _json_format(json.loads(spec))
@@ -146,6 +153,8 @@ class GrammarEngine:
     compiles on its tokenizer pool)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: Sequence[int] = (), cache_size: int = CACHE_SIZE) -> None:
+        import xgrammar as xgr
+        self._args = (tokenizer, vocab_size, tuple(stop_ids), cache_size)
         self.vocab_size = vocab_size
         self.words = bitmask_words(vocab_size)
         self.stop_ids = tuple(stop_ids) or tuple(tokenizer.eos_token_ids)
@@ -159,6 +168,11 @@ class GrammarEngine:
         self.misses = 0
         self.compile_s = 0.0
 
+    def __reduce__(self):
+        """Pickled as what built it: xgrammar's objects do not pickle, and an engine travels with the gateway's
+        app where Ray Serve runs it (`hisparse.rayserve`); the copy compiles afresh."""
+        return (GrammarEngine, self._args)
+
     @classmethod
     def for_model_dir(cls, model_dir: str | Path, vocab_size: int, stop_ids: Sequence[int] = ()) -> GrammarEngine | None:
         """The engine of a model directory's tokenizer; None when it ships none (token-id prompts only: no
@@ -171,6 +185,7 @@ class GrammarEngine:
     def compile(self, structure: Structure, param: str | None = None) -> xgr.CompiledGrammar:
         """The structure's compiled grammar (compiled once, then from the cache); a `GrammarError` naming
         `param` when it cannot compile."""
+        from xgrammar import structural_tag as st
         key = (structure.kind, structure.spec, structure.after_reasoning)
         with self._lock:
             found = self._cache.get(key)
@@ -209,6 +224,7 @@ class GrammarState:
     __slots__ = ("matcher", "rejected")
 
     def __init__(self, compiled: xgr.CompiledGrammar, generated: Sequence[int] = (), stop_ids: Sequence[int] = ()) -> None:
+        import xgrammar as xgr
         self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=list(stop_ids) or None)
         self.rejected = False
         """A token the grammar did not allow was accepted anyway (a row every token of which was masked)."""

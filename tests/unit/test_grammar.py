@@ -186,3 +186,17 @@ def test_a_structure_that_cannot_compile_names_its_field(engine, structure, faul
         engine.compile(structure, "response_format.json_schema.schema")
     assert e.value.param == "response_format.json_schema.schema" and e.value.status == 400
     assert "cannot compile" in str(e.value) and "/project/" not in str(e.value)
+
+
+def test_an_engine_pickles_as_what_built_it(engine):
+    """The gateway's app carries an engine to where Ray Serve runs it: the copy compiles and masks alike."""
+    import pickle
+
+    copy = pickle.loads(pickle.dumps(engine))
+    s = Structure("regex", "[ab]+")
+    assert copy.vocab_size == engine.vocab_size and copy.stop_ids == engine.stop_ids
+    masks = torch.zeros((2, engine.words), dtype=torch.int32)
+    engine.state(s).fill(masks, 0)
+    copy.state(s).fill(masks, 1)
+    assert torch.equal(masks[0], masks[1]) and masks[0].any()
+    assert copy.stats()["misses"] == 1
