@@ -13,14 +13,32 @@ loop still answers.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+"""Every step thread not yet stopped, stopped and joined when the process exits (`_stop_all`)."""
+EXIT_JOIN_S = 10.0
+
+
+@atexit.register
+def _stop_all() -> None:
+    """A daemon thread still running torch when the interpreter finalizes is torn out of its C++ frames, and
+    Ray's terminate handler (installed wherever ray is imported) turns that into an abort of the whole
+    process. So every step thread is told to stop at exit and joined (atexit runs before that teardown)."""
+    threads = list(_LIVE)
+    for t in threads:
+        t.stop()
+    for t in threads:
+        t.thread.join(timeout=EXIT_JOIN_S)
 
 
 class StepThread:
@@ -40,12 +58,19 @@ class StepThread:
         self.busy_since: float | None = None
         self._last_tick = time.monotonic()  # the first tick comes a second in, once the owner has finished building
         self._setup, self._setup_error = setup, None
+        self._stopping = False
         built = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(built,), name=name, daemon=True)
         self.thread.start()
         built.wait()
         if self._setup_error is not None:
             raise self._setup_error
+        _LIVE.add(self)
+
+    def stop(self) -> None:
+        """End the thread after what it is running now (commands not yet run are dropped)."""
+        self._stopping = True
+        self.wake.set()
 
     def call(self, fn: Callable[[], Any]) -> None:
         self.commands.put(fn)
@@ -73,7 +98,7 @@ class StepThread:
             return
         built.set()
         self._last_tick = time.monotonic()
-        while True:
+        while not self._stopping:
             while True:
                 try:
                     fn = self.commands.get_nowait()
