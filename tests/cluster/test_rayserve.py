@@ -22,7 +22,7 @@ def test_serve_application_answers(tiny_dir):
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(app_builder({"argv": ["--model", "tiny", "--device-budget", "8MiB", "--placement", "resources",
-                                        "--prefill-num-cpus", "0.5", "--decode-num-cpus", "0.5"]}),
+                                        "--prefill-num-cpus", "0.5", "--decode-num-cpus", "0.5", "--decode-mode", "eager"]}),
                   name="hisparse", route_prefix="/")
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url)
