@@ -120,5 +120,23 @@ def start_gateway(cfg, tiny_dir):
     return SimpleNamespace(url=server.url, service=service, server=server, app=server.app)
 
 
+def tiny_gateway_config(tier, max_concurrent_requests: int):
+    """The e2e HTTP modules' server: the built-in model, eager steps, one prefill and one decode actor placed
+    anywhere, on a free port."""
+    from core.configs import ClusterConfig, PrefillConfig, ServeConfig, ServerConfig
+
+    return ServeConfig(step=EAGER, model="tiny", tier=tier, prefill=PrefillConfig(max_batch_tokens=1024),
+                       cluster=ClusterConfig(placement="any"),
+                       server=ServerConfig(port=free_port(), max_concurrent_requests=max_concurrent_requests))
+
+
+def openai_client(gw, **kw):
+    """The openai SDK's client of a gateway started by `start_gateway`, without retries (skips without the SDK)."""
+    import pytest
+
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, **kw)
+
+
 def stop_gateway(gw) -> None:
     gw.server.stop()

@@ -9,10 +9,10 @@ import time
 import httpx
 import pytest
 import ray
-from serving_helpers import EAGER, free_port, start_gateway, stop_gateway
+from serving_helpers import EAGER, openai_client, start_gateway, stop_gateway, tiny_gateway_config
 
 from cluster.inprocess import InProcessEngine
-from core.configs import ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, TierConfig
+from core.configs import TierConfig
 from core.request import Request
 from core.types import SamplingParams
 
@@ -22,17 +22,14 @@ TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=5 * 2**
 
 @pytest.fixture(scope="module")
 def gw(tiny_dir):
-    cfg = ServeConfig(step=EAGER, model="tiny", tier=TIER, prefill=PrefillConfig(max_batch_tokens=1024),
-                      cluster=ClusterConfig(placement="any"), server=ServerConfig(port=free_port(), max_concurrent_requests=64))
-    g = start_gateway(cfg, tiny_dir)
+    g = start_gateway(tiny_gateway_config(TIER, 64), tiny_dir)
     yield g
     stop_gateway(g)
 
 
 @pytest.fixture(scope="module")
 def oai(gw):
-    openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(gw)
 
 
 def _post(gw, path, body, **kw):

@@ -10,9 +10,9 @@ import json
 import jsonschema
 import pytest
 from pydantic import BaseModel, Field
-from serving_helpers import EAGER, free_port, start_gateway, stop_gateway
+from serving_helpers import openai_client, start_gateway, stop_gateway, tiny_gateway_config
 
-from core.configs import ClusterConfig, PrefillConfig, ServeConfig, ServerConfig, TierConfig
+from core.configs import TierConfig
 
 pytestmark = pytest.mark.ray
 TIER = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=5 * 2**20, host_pool_bytes=64 * 2**20, max_running=16)
@@ -33,17 +33,14 @@ class Forecast(BaseModel):
 
 @pytest.fixture(scope="module")
 def gw(tiny_dir):
-    cfg = ServeConfig(step=EAGER, model="tiny", tier=TIER, prefill=PrefillConfig(max_batch_tokens=1024),
-                      cluster=ClusterConfig(placement="any"), server=ServerConfig(port=free_port(), max_concurrent_requests=16))
-    g = start_gateway(cfg, tiny_dir)
+    g = start_gateway(tiny_gateway_config(TIER, 16), tiny_dir)
     yield g
     stop_gateway(g)
 
 
 @pytest.fixture(scope="module")
 def oai(gw):
-    openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(gw, timeout=120)
 
 
 def test_parse_returns_the_pydantic_object(oai):
