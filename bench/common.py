@@ -69,6 +69,24 @@ def open_rank(layout_text: str, rank: int, port: int, device_kind: str, timeout_
     return layout, device, Comm.open(layout, rank, f"tcp://127.0.0.1:{port}", device=device, timeout_s=timeout_s)
 
 
+def logits_bench_args(doc: str, argv: list[str] | None):
+    """The command line of the benches over one batch of logits (`bench.sampling`, `bench.sampling_surface`):
+    --rows, --vocab (V4's by default), --repeats, --threads (set here)."""
+    import argparse
+
+    import torch
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=129280)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
+
+
 def emit(result: dict) -> None:
     json.dump(result, sys.stdout, indent=2)
     sys.stdout.write("\n")

@@ -15,13 +15,12 @@ interleaved (old, new, old, new ...) so a shared machine's load falls on both al
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import statistics
 
 import torch
 
-from bench.common import emit, environment, time_by_turns
+from bench.common import emit, environment, logits_bench_args, time_by_turns
 from core.types import SamplingParams
 from model.sampling import SamplingBatch, index_column, sample, sample_tokens
 
@@ -90,14 +89,7 @@ def run_device(device: str, rows: int, vocab: int, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=129280)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = logits_bench_args(__doc__, argv)
     out = {"env": environment(), "rows": args.rows, "vocab": args.vocab, "repeats": args.repeats,
            "batch": "fp32 logits, temperature 0.8; top-p 0.95 + top-k 50 on even rows", "devices": {}}
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

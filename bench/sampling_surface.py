@@ -16,12 +16,11 @@ falls on both alike, the median seconds of:
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
 
-from bench.common import emit, environment, time_by_turns
+from bench.common import emit, environment, logits_bench_args, time_by_turns
 from core.types import SamplingParams
 from model.sampling import SamplingBatch, TokenHistory, index_column, process_logits, sample_step
 
@@ -68,14 +67,7 @@ def run_device(device: str, rows: int, vocab: int, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=129280)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own)")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = logits_bench_args(__doc__, argv)
     out = {"env": environment(), "rows": args.rows, "vocab": args.vocab, "repeats": args.repeats, "devices": {}}
     for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
         out["devices"][device] = run_device(device, args.rows, args.vocab, args.repeats)
