@@ -63,6 +63,19 @@ def block_rows(table: torch.Tensor, entries: torch.Tensor, per_block: int) -> to
     return table.gather(-1, entries // per_block) * per_block + entries % per_block
 
 
+def mtp_ring_slots(cfg: ModelConfig, draft_tokens: int) -> int:
+    """Slots of a request's MTP window ring when it drafts up to `draft_tokens` tokens a step: the window plus one
+    slot per draft token, so no draft write lands on an entry a query of the next step can see (`model.mtp`)."""
+    return cfg.sliding_window + max(0, draft_tokens)
+
+
+def spec_lru_floor(cfg: ModelConfig, draft_tokens: int) -> int:
+    """The fewest LRU hot-buffer slots a request needs per CSA layer when a step verifies `draft_tokens` + 1
+    positions: each position selects its own `index_topk` entries and every one of them must be resident in the
+    same launch, so the buffer serves their union, which can be (N + 1) x index_topk distinct entries."""
+    return (max(0, draft_tokens) + 1) * cfg.index_topk
+
+
 def pages_for_request(group_pages: int, block_tokens: int, tokens: int) -> int:
     """Pages one request holds at `tokens` tokens: its state group plus one page per started block."""
     return group_pages + max(1, -(-tokens // block_tokens))
@@ -107,10 +120,14 @@ class Geometry:
         self.block_tokens = block_tokens_for(cfg, tier.block_tokens)
         self.e4 = self.block_tokens // cfg.csa_rate
         self.eh = self.block_tokens // cfg.hca_rate
-        self.lru = tier.hot_buffer_slots if tier.hot_buffer_slots is not None else 2 * cfg.index_topk
-        if self.offload and n_csa and self.lru < cfg.index_topk:
-            raise ValueError(f"hot_buffer_slots ({self.lru}) must be at least index_topk ({cfg.index_topk}): "
-                             "a step's selection has to fit in the hot buffer")
+        self.spec_tokens = tier.speculative_tokens
+        """Draft tokens a step may verify per request (0: none): each verified position selects its own top-k."""
+        floor = spec_lru_floor(cfg, self.spec_tokens)
+        self.lru = tier.hot_buffer_slots if tier.hot_buffer_slots is not None else max(2 * cfg.index_topk, floor)
+        if self.offload and n_csa and self.lru < floor:
+            raise ValueError(f"hot_buffer_slots ({self.lru}) must be at least {floor}: a step's selection has to fit in "
+                             f"the hot buffer, and a step that verifies {self.spec_tokens + 1} positions selects "
+                             f"index_topk ({cfg.index_topk}) entries for each of them")
         self.reserved = tier.reserved_slots if self.offload else 0
         if self.reserved < 0:
             raise ValueError("reserved_slots must be >= 0")
@@ -160,6 +177,10 @@ class Geometry:
             add(f"{layer}.main.score", (cfg.hca_rate, d * sv), False)
         if self.offload and n_csa:
             add("hot", (n_csa, self.hot_slots, md), True)
+        self.mtp_slots = mtp_ring_slots(cfg, self.spec_tokens) if self.spec_tokens else 0
+        """Rows of the MTP block's window ring in each state group (`model.mtp.ring_slots`; 0 without speculation)."""
+        if self.mtp_slots:
+            add("mtp", (self.mtp_slots, md), True)
         self.state_elems = end()
         self.group_pages = max(1, math.ceil(self.state_elems / self.page_elems))
 

@@ -26,6 +26,8 @@ class Resident:
     """`blocks` on the store's device; made by `fill` (the step thread), never by `reserve`."""
     host_blocks_t: torch.Tensor = field(repr=False, default=None)
     """`host_blocks` on the host, made by `fill`."""
+    mtp_floor: int = 0
+    """The first position whose MTP entry this request's ring holds (speculation; set when it is filled)."""
     filled: bool = False
     """False while the pages are only reserved (the layout has not arrived yet)."""
 

@@ -23,6 +23,7 @@ from cachetier.hot_tier import HotTier
 from cachetier.layout import KVLayout
 from cachetier.pages import BlockAllocator, OutOfPages, PageAllocator
 from cachetier.resident import Resident, num_tokens_of
+from cachetier.spec_batch import SpecBatch
 from cachetier.tiered_batch import TieredBatch
 from core import device as devices
 from core.config import ModelConfig
@@ -258,6 +259,7 @@ class TieredStore(KVStore):
         r.host_blocks_t = torch.from_numpy(r.host_blocks_np if len(r.host_blocks_np) else np.zeros(1, np.int64))
         self._write_layout(r, layout)
         r.num_tokens = layout.num_tokens
+        r.mtp_floor = layout.num_tokens  # its MTP ring starts empty: the first decode position is its first entry
         r.filled = True
 
     def holds(self, request_id: str) -> bool:
@@ -444,6 +446,33 @@ class TieredStore(KVStore):
                 self._views[key] = self.new_view(*key)
             view = self._views[key]
         view.load(res, tokens)
+        return view
+
+    def restart_mtp(self, request_ids: list[str]) -> None:
+        """These requests' MTP rings hold nothing before their next position (steps ran without speculation, so
+        the entries of those positions were never written): drafting reads only what speculative steps write."""
+        for rid in request_ids:
+            r = self.residents[rid]
+            r.mtp_floor = r.num_tokens
+
+    def spec_view(self, request_ids: list[str], requests: int, span: int, num_blocks: int | None = None,
+                  tokens: list[list[int]] | None = None, drafts: list[int] | None = None, min_blocks: int = 1,
+                  private: bool = False) -> SpecBatch:
+        """The speculative step's view (`cachetier.spec_batch`): `requests` x `span` rows, the block table wide
+        enough for every verified position, kept per (requests, blocks, span) like `step_view`'s."""
+        if self.geo.spec_tokens < span - 1:
+            raise ValueError(f"this store was made for {self.geo.spec_tokens} draft tokens a step "
+                             f"(TierConfig.speculative_tokens), not {span - 1}")
+        res = list(map(self.residents.__getitem__, request_ids))
+        blocks = num_blocks or max(min_blocks, context_blocks(max(map(num_tokens_of, res), default=0) + span,
+                                                              self.geo.block_tokens))
+        key = ("spec", requests, blocks, span)
+        view = None if private else self._views.get(key)
+        if view is None:
+            view = SpecBatch(self.cfg, self.geo, self.arena, self.hot, self.device, requests, blocks, span)
+            if not private:
+                self._views[key] = view
+        view.load(res, tokens, drafts)
         return view
 
     # accounting ----------------------------------------------------------------------------------

@@ -34,10 +34,11 @@ if TYPE_CHECKING:
     from cachetier.hot_tier import HotTier
 
 
-
-
 class TieredBatch(DecodeKV):
     """A bucket-shaped view of the tiered store for one decode step."""
+
+    META_ROWS = 3
+    """Rows of the per-step buffer: positions, state groups, input tokens (a speculative view adds its own)."""
 
     def __init__(self, cfg: ModelConfig, geo: Geometry, arena: torch.Tensor, hot: HotTier | None, device: torch.device,
                  num_rows: int, num_blocks: int) -> None:
@@ -47,12 +48,13 @@ class TieredBatch(DecodeKV):
         self.bucket = (num_rows, num_blocks)
         dev = device
         staged = dev.type == "cuda"  # a separate pinned host copy only where host and device differ
-        self._meta_host = torch.zeros(3, num_rows, dtype=torch.long, pin_memory=staged)  # positions, groups, tokens
+        m = self.META_ROWS
+        self._meta_host = torch.zeros(m, num_rows, dtype=torch.long, pin_memory=staged)  # positions, groups, tokens[, ...]
         self._tables_host = torch.zeros(2, num_rows, num_blocks, dtype=torch.long, pin_memory=staged)  # pages, host blocks
-        self._meta = torch.zeros(3, num_rows, dtype=torch.long, device=dev) if staged else self._meta_host
+        self._meta = torch.zeros(m, num_rows, dtype=torch.long, device=dev) if staged else self._meta_host
         self._meta_np = self._meta_host.numpy()
         self._tables = torch.zeros(2, num_rows, num_blocks, dtype=torch.long, device=dev) if staged else self._tables_host
-        self.positions, self.groups, self.token_ids = self._meta.unbind(0)  # [rows] each
+        self.positions, self.groups, self.token_ids = self._meta.unbind(0)[:3]  # [rows] each
         self.blocks, self.host_blocks = self._tables.unbind(0)  # [rows, num_blocks] each
         self.residents: list[Resident] = []
         self._tables_for: tuple | None = None

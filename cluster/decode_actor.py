@@ -70,7 +70,8 @@ class DecodeActor(ReplicaRank):
             from cluster.prefill_actor import grammar_engine, load_model_for_actor
             from decode.worker import DecodeWorker
 
-            model = load_model_for_actor(model_spec, num_threads, stub, weights, kv_format, shard=shard, dtype=dtype)
+            model = load_model_for_actor(model_spec, num_threads, stub, weights, kv_format, shard=shard, dtype=dtype,
+                                         mtp=tier.speculative_tokens > 0)
             self.model = model
             self.store = TieredStore(model.cfg, tier, dtype=model.dtype, device=model.device)
             # a stand-in step writes no KV, so the idle check of what is stored would not hold

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 def load_model_for_actor(model_spec: str, num_threads: int, stub: StubConfig | None = None, weights: str = "packed",
-                         kv_format: str = "auto", shard=None, dtype: str = "auto"):
+                         kv_format: str = "auto", shard=None, dtype: str = "auto", mtp: bool = False):
     """The actor's model, on the device this actor was given (Ray shows an actor only the GPUs it reserved:
     CUDA when present) in the serving dtype (`core.device.serving_dtype`)."""
     import torch
@@ -46,7 +46,7 @@ def load_model_for_actor(model_spec: str, num_threads: int, stub: StubConfig | N
     dt = device.serving_dtype(dtype, dev.kind)
     device.configure_math(dev.kind)
     model = load_model(resolve_model_dir(model_spec), dtype=dt, device=dev.torch_device, weights=weights,
-                       kv_format=kv_format, shard=shard or WHOLE)
+                       kv_format=kv_format, shard=shard or WHOLE, mtp=mtp)
     if stub is not None:
         from model.stub import StubModel
 

@@ -70,10 +70,14 @@ class TierConfig:
     """Tokens per classical block (a multiple of both compress rates); default: at least 256."""
     max_running: int = 64
     """Most requests decoding at once; their fixed-size state slots are carved from the budget."""
+    speculative_tokens: int = 0
+    """Draft tokens a decode step may verify per request with the model's MTP head (0: no speculation;
+    docs/speculative.md). It sizes what speculation holds per request: the MTP block's window ring in each state
+    group, and the hot buffer's LRU part (at least (N + 1) x index_topk, `cachetier.geometry.spec_lru_floor`)."""
 
     def __post_init__(self) -> None:
         # whether the budget holds a request depends on the model: `cachetier.geometry.Geometry` decides that
-        _at_least(self, max_running=1, device_budget_bytes=1, host_pool_bytes=0, block_tokens=1)
+        _at_least(self, max_running=1, device_budget_bytes=1, host_pool_bytes=0, block_tokens=1, speculative_tokens=0)
 
 
 STATE_POLICIES = ("last", "every")
@@ -202,6 +206,11 @@ class StepConfig:
     compile_cache_dir: str | None = None
     """Directory of torch.compile's on-disk cache (Inductor's TORCHINDUCTOR_CACHE_DIR), so a restart reuses
     compiled kernels; default: TORCHINDUCTOR_CACHE_DIR if set, else Inductor's own default."""
+
+    speculative_adaptive: bool = True
+    """With speculation on (`TierConfig.speculative_tokens`): choose each step's draft count from the batch and
+    the measured acceptance and step times, down to 0 (`decode.speculative.DraftPolicy`); off always drafts the
+    most."""
 
     def __post_init__(self) -> None:
         _at_least(self, capture_context_tokens=1)

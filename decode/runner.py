@@ -53,7 +53,9 @@ from cachetier.buckets import batch_bucket, batch_buckets, context_blocks
 from cachetier.store import KVStore
 from core.configs import StepConfig
 from core.parallel import WHOLE
+from decode import speculative as spec
 from model.model import V4Model
+from model.sampling import sample_tokens
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,11 @@ log = logging.getLogger(__name__)
 def _forward(model: V4Model, view) -> torch.Tensor:
     """The step a worker compiles or captures: the model's device-only decode over a persistent view."""
     return model.decode_forward(view, view.token_ids)
+
+
+def _spec_greedy(model: V4Model, view, n_draft: int) -> torch.Tensor:
+    """The speculative step a worker compiles for greedy batches (`decode.speculative.greedy_step`)."""
+    return spec.greedy_step(model, view, n_draft)
 
 
 _LOOKUP_GUARDS = ("NOT_PRESENT_IN_GENERIC_DICT", "TYPE_MATCH", "CLOSURE_MATCH", "DUPLICATE_INPUT")
@@ -161,6 +168,9 @@ class StepRunner:
         self.compile_s = 0.0
         self.capture_s = 0.0
         self._compiled = None
+        self._compiled_spec = None
+        self._spec_warm: set[int] = set()
+        """Spans whose speculative step is compiled."""
         self._warm = False
         """Warm-up done: from now on a step never compiles or captures."""
         self._joined = False
@@ -423,6 +433,92 @@ class StepRunner:
         logits = out[:n].clone()  # a graph's output is overwritten by its next replay
         view.advance()
         return logits
+
+    # speculative steps (`decode.speculative`) -------------------------------------------------------
+
+    @property
+    def spec_tokens(self) -> int:
+        """The most draft tokens a step may verify per request (the store's `TierConfig.speculative_tokens`), or 0:
+        this worker does not speculate (no MTP head, a replica rank, or speculation off)."""
+        n = getattr(getattr(self.store, "geo", None), "spec_tokens", 0)
+        if not n or getattr(self.model, "mtp", None) is None or self.replica:
+            return 0
+        return n
+
+    def _spec_compiled(self):
+        if self._compiled_spec is None:
+            self._compiled_spec = torch.compile(_own_copy(_spec_greedy), fullgraph=True, dynamic=None, backend=self._backend,
+                                                options={"guard_filter_fn": _step_guards})
+        return self._compiled_spec
+
+    def run_spec(self, request_ids: list[str], tokens: list[list[int]], drafts: list[int], span: int,
+                 before_forward: Callable[[], None] | None = None, sampling=None) -> list[list[int]]:
+        """One speculative step (`decode.speculative`): each request's `tokens` (the token it decodes from, then its
+        drafts), of which it verifies `drafts[r]` (< span) -> per request [span targets, accepted, span - 1 next
+        drafts] (the step's one read back). `sampling`: (a `SamplingBatch` of the view's rows, its index column)
+        for a batch that samples; None: greedy. The store advances by what each request kept."""
+        n = len(request_ids)
+        rows = n if not self.fixed else max(self.min_bucket, batch_bucket(n, self.max_running))
+        view = self.store.spec_view(request_ids, rows, span, tokens=tokens, drafts=drafts,
+                                    min_blocks=self.min_bucket if self.fixed else 1)
+        if before_forward is not None:
+            before_forward()
+        key = ("spec", *view.spec_bucket)
+        self.steps_by_bucket[key] = self.steps_by_bucket.get(key, 0) + 1
+        with torch.inference_mode():
+            if sampling is None and self.compiled:
+                out = self._run_spec_compiled(view, span - 1)
+            elif sampling is None:
+                out = _spec_greedy(self.model, view, span - 1)
+            else:
+                sb, index = sampling  # n * span rows: the padding rows of a bucket draw nothing
+                logits, streams = spec.verify(self.model, view)
+                targets = sample_tokens(logits[: n * span], sb, index).view(n, span)
+                if rows > n:
+                    targets = torch.cat((targets, targets.new_zeros(rows - n, span)))
+                out = spec.finish(self.model, view, targets, streams, span - 1)
+        result = out[:n].tolist()
+        view.advance([r[span] for r in result])
+        return result
+
+    def _run_spec_compiled(self, view, n_draft: int) -> torch.Tensor:
+        for t, dims in view.bucket_tensors():
+            for d in dims:
+                torch._dynamo.maybe_mark_dynamic(t, d)
+        fn = self._spec_compiled()
+        before, t0 = self.compiles, time.perf_counter()
+        if self._warm and view.spec_bucket[2] in self._spec_warm:
+            try:
+                with torch.compiler.set_stance("fail_on_recompile"):
+                    return fn(self.model, view, n_draft)
+            except RuntimeError as e:
+                if not str(e).startswith("Detected recompile"):
+                    raise
+                self.eager_steps += 1
+                if self.eager_steps == 1 or self.eager_steps % 1000 == 0:
+                    log.warning("the compiled speculative step does not cover bucket %s (%d step(s) ran eagerly): %s",
+                                view.spec_bucket, self.eager_steps, str(e).splitlines()[2:3])
+                return _spec_greedy(self.model, view, n_draft)
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            out = fn(self.model, view, n_draft)
+        if self.compiles != before:
+            self.compile_s += time.perf_counter() - t0
+            self.compile_log.append(("spec", *view.spec_bucket))
+        self._spec_warm.add(view.spec_bucket[2])
+        return out
+
+    def warmup_spec(self, spans: list[int]) -> None:
+        """Compile the greedy speculative step for each span ahead of the first request (CPU), on padding rows."""
+        if not (self.compiled and self.cfg.warmup):
+            return
+        b = self.min_bucket
+        for span in spans:
+            if span in self._spec_warm:
+                continue
+            view = self.store.spec_view([], b, span, num_blocks=b)
+            with torch.inference_mode():
+                self._run_spec_compiled(view, span - 1)
+        log.info("compiled the speculative step for spans %s (%.1fs compiling in all)", spans, self.compile_s)
 
     def stats(self) -> StepStats:
         return StepStats(self.mode, self.compiles, round(self.compile_s, 3), len(self.graphs), round(self.capture_s, 3),

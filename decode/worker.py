@@ -34,12 +34,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from cachetier.buckets import batch_bucket
 from cachetier.layout import KVLayout, PackedLayout, unpack_layout
 from cachetier.store import IntegrityError, KVStore
 from core.configs import FaultConfig, StepConfig
 from core.request import Attempt, FailureKind, Request
 from core.types import SampledToken, SamplingParams, StepTokens, TokenEvent, finish_reason
 from decode.runner import StepRunner
+from decode.speculative import DraftPolicy, check_speculation
 from model.grammar import GrammarEngine, GrammarMasks, GrammarState
 from model.model import V4Model
 from model.parallel import ReplicaBroken
@@ -149,6 +151,8 @@ class _Running:
     """Its row in the worker's `TokenHistory` (-1: its sampling does not look back)."""
     grammar: GrammarState | None = None
     """Its matcher, rebuilt at admission from its tokens so far (None: free text); it leaves with the request."""
+    drafts: list[int] = field(default_factory=list)
+    """Speculation: the MTP head's drafts for the tokens after `last_token` (empty: none yet)."""
 
 
 class _Group:
@@ -158,7 +162,7 @@ class _Group:
     columns, not its `_Running` objects, hold each request's last token and count (`sync` writes them back)."""
 
     __slots__ = ("ids", "runs", "params", "seeds", "slots", "tokens", "num_generated", "max_tokens", "stops", "plain",
-                 "faults", "sampling", "index", "grammars")
+                 "faults", "sampling", "index", "grammars", "drafts", "speculates", "spec_sampling", "mtp_stale")
 
     def __init__(self, ids: list[str], runs: list[_Running], eos_ids: tuple[int, ...]) -> None:
         self.ids, self.runs = ids, runs
@@ -185,10 +189,19 @@ class _Group:
         logits' device), then only `index` (and the rows' `TokenHistory` rows, on the device) change."""
         self.index: torch.Tensor | None = None
         """`num_generated` on the device (the index of the token each row generates), advanced beside it."""
+        self.drafts = [r.drafts for r in runs]
+        self.speculates = self.grammars is None and all(p.logprobs is None and not p.needs_history for p in self.params)
+        """Whether its steps may speculate: every verified position is sampled exactly as spec-off would sample it,
+        which needs no token history (penalties), grammar or log-probabilities here; a group with any of those
+        takes plain steps (its output is the same either way)."""
+        self.spec_sampling: dict[int, SamplingBatch] = {}
+        """Per span, the rows' sampling parameters repeated for each verified position (sampled batches)."""
+        self.mtp_stale = True
+        """The last step of these rows was not speculative (or there was none here): their MTP rings lack entries."""
 
     def sync(self) -> None:
-        for run, tok, n in zip(self.runs, self.tokens, self.num_generated.tolist()):
-            run.last_token, run.num_generated = tok, n
+        for run, tok, n, d in zip(self.runs, self.tokens, self.num_generated.tolist(), self.drafts):
+            run.last_token, run.num_generated, run.drafts = tok, n, d
 
 
 @dataclass
@@ -209,8 +222,18 @@ class DecodeWorker:
         self.store = store
         self.max_running = max_running
         self.runner = StepRunner(model, store, max_running, step_config) if model is not None else None
+        check_speculation(model, store, self.runner)
+        self.spec_tokens = self.runner.spec_tokens if self.runner is not None else 0
+        """The most draft tokens a step verifies per request (0: no speculation; `decode.speculative`)."""
+        self.policy = DraftPolicy(self.spec_tokens, (step_config or StepConfig()).speculative_adaptive) if self.spec_tokens else None
         if self.runner is not None:
             self.runner.warmup()
+            if self.spec_tokens:
+                self.runner.warmup_spec(list(range(2, self.spec_tokens + 2)))
+        self.spec_steps = 0
+        self.spec_rows = 0
+        """Request-steps that speculated; with `spec_kept`, the acceptance length (tokens kept per request-step)."""
+        self.spec_kept = 0
         self.eos_ids = model.cfg.eos_token_ids if eos_ids is None else eos_ids
         self.faults = faults or FaultConfig()
         self.waiting: deque[DecodeRequest] = deque()
@@ -459,6 +482,15 @@ class DecodeWorker:
             if g.faults:
                 self._inject_faults(g.faults)  # a fault stands for a forward that hangs or fails
 
+        spec_bucket = None
+        if self.policy is not None and g.speculates and not self.lockstep:
+            spec_bucket = batch_bucket(len(g.ids), self.max_running)
+            n = self.policy.choose(spec_bucket)
+            if n > 0:
+                return self._decode_spec(g, ended, n, launch, spec_bucket)
+            g.mtp_stale = True
+            g.drafts = [[] for _ in g.ids]
+        t0 = time.perf_counter()
         try:
             logits = self.runner.run(g.ids, g.tokens, launch, bucket)
             if g.plain:
@@ -485,6 +517,8 @@ class DecodeWorker:
                 ended.append(rid)
                 self._fail(rid, run.req.owner, f"a decode step it was in failed: {type(e).__name__}: {e}", FailureKind.STEP)
             return StepTokens([], [], [])
+        if spec_bucket is not None:
+            self.policy.record(spec_bucket, 0, time.perf_counter() - t0)
         g.tokens = tokens
         g.num_generated += 1
         if g.index is not None:
@@ -508,6 +542,63 @@ class DecodeWorker:
                 reasons[row] = reason
                 ended.append(g.ids[row])
         return StepTokens(g.ids, counts - 1, tokens, sampled, reasons)
+
+    def _decode_spec(self, g: _Group, ended: list[str], n: int, launch: Callable[[], None], bucket: int) -> StepTokens:
+        """One speculative step over a group (`decode.speculative`): every row verifies up to `n` drafts and keeps
+        1 to n + 1 tokens, the same tokens a plain step would give one by one. Returns them in order, a row's
+        tokens side by side; a row that ends (stop token, length) keeps nothing after its last token."""
+        span = n + 1
+        if g.mtp_stale:  # rows whose rings missed steps: the entries before their next position are not theirs
+            self.store.restart_mtp(g.ids)
+            g.mtp_stale = False
+        remaining = (g.max_tokens - g.num_generated).tolist()
+        verify = [max(0, min(n, len(d), left - 1)) for d, left in zip(g.drafts, remaining)]
+        inputs = [[t, *d[:k]] for t, d, k in zip(g.tokens, g.drafts, verify)]
+        sampling = None
+        t0 = time.perf_counter()
+        try:
+            if not all(p.greedy and p.plain for p in g.params):
+                sb = g.spec_sampling.get(span)
+                if sb is None:
+                    sb = g.spec_sampling[span] = SamplingBatch.build(
+                        [p for p in g.params for _ in range(span)], [s for s in g.seeds for _ in range(span)],
+                        self.model.device, self.model.cfg.vocab_size, eos_ids=self.eos_ids)
+                sampling = (sb, index_column([c + j for c in g.num_generated.tolist() for j in range(span)], self.model.device))
+            rows = self.runner.run_spec(g.ids, inputs, verify, span, launch, sampling)
+        except Exception as e:
+            self.failed_steps += 1
+            log.exception("speculative decode step over %d request(s) failed; failing them", len(g.ids))
+            for rid, run in zip(g.ids, g.runs):
+                ended.append(rid)
+                self._fail(rid, run.req.owner, f"a decode step it was in failed: {type(e).__name__}: {e}", FailureKind.STEP)
+            return StepTokens([], [], [])
+        kept_counts = [row[span] for row in rows]
+        self.policy.record(bucket, n, time.perf_counter() - t0, verify, kept_counts)
+        ids, index, tokens, reasons = [], [], [], {}
+        for r, row in enumerate(rows):
+            before = int(g.num_generated[r])
+            out = []
+            reason = None
+            for t in row[: row[span] + 1]:
+                out.append(t)
+                reason = finish_reason(t, before + len(out), g.params[r], self.eos_ids)
+                if reason is not None:
+                    break
+            ids.extend([g.ids[r]] * len(out))
+            index.extend(range(before, before + len(out)))
+            tokens.extend(out)
+            if reason is not None:
+                reasons[len(tokens) - 1] = reason
+                ended.append(g.ids[r])
+            g.tokens[r] = out[-1]
+            g.num_generated[r] = before + len(out)
+            g.drafts[r] = row[span + 1 :]
+        if g.index is not None:
+            g.index = index_column(g.num_generated.tolist(), g.index.device)
+        self.spec_steps += 1
+        self.spec_rows += len(rows)
+        self.spec_kept += sum(kept_counts) + len(rows)
+        return StepTokens(ids, index, tokens, None, reasons)
 
     def _inject_faults(self, faults: set[str]) -> None:
         if "hang" in faults:
@@ -550,5 +641,9 @@ class DecodeWorker:
                "integrity_checks": self.integrity_checks, "integrity_errors": self.integrity_errors}
         if self.runner is not None:
             out["step"] = self.runner.stats()
+        if self.spec_tokens:
+            out["speculation"] = {"max_draft_tokens": self.spec_tokens, "steps": self.spec_steps,
+                                  "acceptance_length": round(self.spec_kept / self.spec_rows, 4) if self.spec_rows else None,
+                                  "draft_choices": {str(b): c for b, c in self.policy.choices.items()}}
         out.update(self.store.stats())
         return out

@@ -84,6 +84,7 @@ TIER = [
     Flag("--host-pool-bytes", TierConfig, "host_pool_bytes", BYTES, bytes=True),
     Flag("--block-tokens", TierConfig, "block_tokens", {"type": int}),
     Flag("--max-running", TierConfig, "max_running", {"type": int}),
+    Flag("--speculative-tokens", TierConfig, "speculative_tokens", {"type": int, "metavar": "N"}),
 ]
 STEP = [
     Flag("--decode-mode", StepConfig, "decode_mode", {"choices": DECODE_MODES}),
@@ -91,6 +92,8 @@ STEP = [
     Flag("--no-cuda-graphs", StepConfig, "cuda_graphs", {"action": "store_false"},
          help="with --decode-mode compiled on CUDA: run the fixed-shape step without capturing graphs"),
     Flag("--compile-cache-dir", StepConfig, "compile_cache_dir"),
+    Flag("--no-speculative-adaptive", StepConfig, "speculative_adaptive", {"action": "store_false"},
+         help="with --speculative-tokens: always draft N tokens instead of choosing each step's count"),
 ]
 PREFIX_CACHE = [
     Flag("--prefix-cache", PrefixCacheConfig, "enabled", ON_OFF),
@@ -278,7 +281,7 @@ def _generate(args: argparse.Namespace) -> int:
     dev = device.current()
     device.configure_math(dev.kind)
     model = load_model(model_dir, dtype=device.serving_dtype(what.dtype, dev.kind), device=dev.torch_device,
-                       weights=what.weights, kv_format=what.kv_format)
+                       weights=what.weights, kv_format=what.kv_format, mtp=tier.speculative_tokens > 0)
     tok = load_tokenizer(model_dir)
     if args.prompt is not None:
         if tok is None:
@@ -317,6 +320,8 @@ def _generate(args: argparse.Namespace) -> int:
                         device_budget_bytes=tier.device_budget_bytes)
         print(json.dumps({"prompt_token_ids": list(prompt_ids), "token_ids": ids, "text": text,
                           "finish_reason": done.finish_reason, "tier": tier_out, **tier_out,
+                          "acceptance_length": (stats.get("speculation") or {}).get("acceptance_length"),
+                          "speculation": stats.get("speculation"),
                           "decode_step": dataclasses.asdict(stats["step"]), "device": str(model.device),
                           "dtype": str(model.dtype).removeprefix("torch."), "kv_format": model.cfg.kv_format}))
     else:

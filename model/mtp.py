@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from cachetier.geometry import mtp_ring_slots as ring_slots
 from core.config import MOE, SLIDING, ModelConfig
 from core.parallel import WHOLE, Shard
 from kernels.attention import sparse_attention
@@ -92,22 +93,19 @@ def mtp_config(cfg: ModelConfig) -> ModelConfig:
     return dataclasses.replace(cfg, layer_types=(*cfg.layer_types, SLIDING), mlp_layer_types=mlp)
 
 
-def ring_slots(cfg: ModelConfig, draft_tokens: int) -> int:
-    """Slots of a request's MTP ring when it drafts up to `draft_tokens` tokens a step: the window plus one
-    slot per draft token, so no draft write lands on an entry a query of the next step can see."""
-    return cfg.sliding_window + max(0, draft_tokens)
-
-
-def window_slots(positions: torch.Tensor, slots: int, window: int) -> torch.Tensor:
+def window_slots(positions: torch.Tensor, slots: int, window: int, floor: torch.Tensor | None = None) -> torch.Tensor:
     """Pool rows [rows, slots] a query at `positions` [rows] reads from rings of `slots` rows each (row b's ring
     at b * slots in the flattened pool), -1 where a slot holds no position of its window.
 
     Slot j last held position p - ((p - j) mod slots) if every position up to p was written; it is in the
     window iff that is >= 0 and > p - window. Slots of later positions (stale drafts) come out below the
-    window because slots >= window + their distance (`ring_slots`)."""
+    window because slots >= window + their distance (`ring_slots`). `floor` [rows]: the first position each row's
+    ring holds (a ring started mid-sequence, e.g. on a decode actor that got no MTP entries with its layout)."""
     j = torch.arange(slots, device=positions.device)
     held = positions[:, None] - torch.remainder(positions[:, None] - j, slots)  # [rows, slots]
     live = (held >= 0) & (held > positions[:, None] - window)
+    if floor is not None:
+        live = live & (held >= floor[:, None])
     base = torch.arange(positions.shape[0], device=positions.device)[:, None] * slots
     return torch.where(live, base + j, -1)
 
@@ -122,6 +120,8 @@ class MTPState:
     one more sliding `LayerKV` whose ring has `ring_slots` rows)."""
 
     ring: torch.Tensor
+    floor: torch.Tensor | None = None
+    """[rows] the first position each ring holds an entry of (None: every position from 0 was written)."""
 
     @staticmethod
     def empty(cfg: ModelConfig, rows: int, draft_tokens: int, dtype: torch.dtype = torch.float32, device=None) -> MTPState:
@@ -180,7 +180,7 @@ class MTPBlock(Block):
         if valid is not None:  # rows outside the batch keep what their slot held
             new = torch.where(valid[:, None], new, ring[rows, slot])
         ring[rows, slot] = new
-        seen = window_slots(pos, ring.shape[1], window)
+        seen = window_slots(pos, ring.shape[1], window, state.floor)
         o = sparse_attention(q, [(ring.flatten(0, 1), seen)], attn.attn_sink, attn.scale, codec.main_reader)
         return attn.output(o, lambda t: rot.apply(t, pos, inverse=True))
 

@@ -1,0 +1,158 @@
+"""Speculative decoding with the MTP head: draft N tokens, verify N + 1 positions in one forward, keep what matches.
+
+One speculative step over a `cachetier.spec_batch.SpecBatch` of `span` = N + 1 rows per request:
+
+1. **verify**: the main model's decode step over every row (`V4Model.decode_forward`): request r's row j is the
+   query at position b_r + j whose input is the token it decodes from (j = 0) or draft j. Logits and final
+   streams come out per row.
+2. **targets**: the token the request would draw at each position, by the one sampler the step always uses
+   (greedy argmax, or `model.sampling.sample_tokens` with the row's token index): the token at index i depends only
+   on the logits there and (seed, i), so a position whose inputs match spec-off draws what spec-off draws.
+3. **accept**: a_r = how many leading drafts equal the target of the position before them. The step's tokens are
+   targets 0..a_r: identical to speculation off, greedy or sampled, whatever the drafter proposed (a rejected
+   draft costs its position's work, never a token). This is exact-match verification with the sampler's own
+   counter-based noise: it keeps the target distribution because it *is* the target sampler, and a seeded
+   request gives the same tokens with speculation on or off, after a retry and across the PD split.
+4. **commit**: the store writes the state of positions up to b_r + a_r (`SpecBatch.commit`); nothing of a
+   rejected position stays.
+5. **draft**: the MTP ring's entries of the kept positions are rewritten from the verify's streams, and the head
+   drafts the next step's N tokens from position b_r + a_r (`V4Model.draft`), chained, greedily.
+
+All device work with fixed shapes and no host sync: the step compiles (CPU) and captures (CUDA) per
+(rows, blocks, span); the host reads back one small int tensor, `[requests, span + 1 + N]`: the targets, a_r,
+and the next drafts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cachetier.spec_batch import SpecBatch
+from model.model import V4Model
+from model.mtp import MTPState
+
+
+def check_speculation(model, store, runner) -> None:
+    """Refuse a worker asked to speculate (its store made with `TierConfig.speculative_tokens` > 0) that cannot:
+    a model without an MTP head, a stand-in step, or a rank of an expert-parallel replica (not built yet)."""
+    n = getattr(getattr(store, "geo", None), "spec_tokens", 0)
+    if not n:
+        return
+    if getattr(model, "mtp", None) is None:
+        raise ValueError(f"--speculative-tokens {n} drafts with the model's MTP head, and this model has none (its "
+                         "checkpoint holds no mtp.* tensors, or it is a stand-in step); serve it with --speculative-tokens 0, "
+                         "or add a head with `hisparse train --mtp`")
+    if runner is not None and runner.replica:
+        raise ValueError("speculative decoding on an expert-parallel replica is not supported yet: serve the replica with "
+                         "--speculative-tokens 0")
+
+
+def verify(model: V4Model, view: SpecBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verify forward: logits [rows, vocab] and final streams [rows, hc, hidden] of every row of the view."""
+    return model.decode_forward(view, view.token_ids, with_streams=True)
+
+
+def accepted_drafts(view: SpecBatch, targets: torch.Tensor) -> torch.Tensor:
+    """[requests] how many leading drafts equal the target of the position before them (targets [requests, span])."""
+    R, S = view.requests, view.span
+    drafts = view.token_ids.view(R, S)[:, 1:]
+    verified = view.verified.view(R, S)[:, 1:]
+    match = (drafts == targets[:, :-1]) & verified
+    return match.long().cumprod(dim=1).sum(dim=1)
+
+
+def finish(model: V4Model, view: SpecBatch, targets: torch.Tensor, streams: torch.Tensor, n_draft: int) -> torch.Tensor:
+    """Accept, commit and draft (steps 3-5 of the module docstring) -> [requests, span + 1 + n_draft] int64."""
+    R, S = view.requests, view.span
+    a = accepted_drafts(view, targets)
+    view.commit(a)
+    mtp = model._mtp()
+    ring = view.take_mtp()  # [requests, slots, row]
+    state = MTPState(ring, floor=view._first(view.mtp_floor))
+    slots = ring.shape[1]
+    # the ring entries of the kept positions b..b+a-1 from the main model's streams and the token after each
+    keys = mtp.keys(model, streams, targets.flatten(), view.positions).view(R, S, -1)
+    rows = torch.arange(R, device=ring.device)
+    base = view._first(view.positions)
+    for j in range(S - 1):
+        slot = torch.remainder(base + j, slots)
+        ring[rows, slot] = torch.where((a > j)[:, None], keys[:, j], ring[rows, slot])
+    hidden = streams.view(R, S, *streams.shape[1:])[rows, a]
+    last = targets[rows, a]
+    drafts = model.draft(state, hidden, last, base + a, n_draft)  # writes the entry of b + a and the drafts'
+    view.put_mtp(state.ring)
+    return torch.cat((targets, a[:, None], drafts), dim=1)
+
+
+def greedy_step(model: V4Model, view: SpecBatch, n_draft: int) -> torch.Tensor:
+    """A whole speculative step for greedy requests (what a worker compiles or captures)."""
+    logits, streams = verify(model, view)
+    targets = logits.view(view.requests, view.span, -1).argmax(dim=-1)
+    return finish(model, view, targets, streams, n_draft)
+
+
+class DraftPolicy:
+    """How many tokens to draft each step: the count that maximises expected tokens per second, from the
+    acceptance measured so far and the step time measured per (batch bucket, draft count), down to 0 (the plain
+    step) when verifying costs more than it keeps.
+
+    Expected tokens of a step with n drafts: 1 + sum over k <= n of the product of alpha_1..alpha_k, alpha_k being
+    the measured chance that draft k is kept given that the ones before it were. Each candidate count is first
+    tried `probe` times per batch bucket (so an unmeasured count is never assumed cheap); afterwards one step in
+    `explore_every` re-measures the count tried longest ago, so a choice follows a change of load or text. With
+    `adaptive` off the policy always drafts `max_tokens`."""
+
+    def __init__(self, max_tokens: int, adaptive: bool = True, probe: int = 3, explore_every: int = 50,
+                 decay: float = 0.9) -> None:
+        self.max_tokens, self.adaptive = max_tokens, adaptive
+        self.probe, self.explore_every, self.decay = probe, explore_every, decay
+        self.reached = [1.0] * (max_tokens + 1)  # decayed counts per draft position k (index 1..N)
+        self.kept = [0.7] * (max_tokens + 1)
+        self.cost: dict[tuple[int, int], float] = {}
+        self.tries: dict[tuple[int, int], int] = {}
+        self.last_tried: dict[tuple[int, int], int] = {}
+        self.steps = 0
+        self.choices: dict[int, dict[int, int]] = {}
+        """Steps run with each draft count, per batch bucket (what the bench reports)."""
+
+    def alpha(self, k: int) -> float:
+        return self.kept[k] / self.reached[k] if self.reached[k] > 0 else 0.0
+
+    def expected_tokens(self, n: int) -> float:
+        total, run = 1.0, 1.0
+        for k in range(1, n + 1):
+            run *= self.alpha(k)
+            total += run
+        return total
+
+    def choose(self, bucket: int) -> int:
+        self.steps += 1
+        if not self.adaptive or self.max_tokens == 0:
+            n = self.max_tokens
+        else:
+            counts = range(self.max_tokens, -1, -1)
+            unmeasured = [n for n in counts if self.tries.get((bucket, n), 0) < self.probe]
+            if unmeasured:
+                n = unmeasured[0]
+            elif self.steps % self.explore_every == 0:
+                n = min(counts, key=lambda c: self.last_tried.get((bucket, c), 0))
+            else:
+                n = max(counts, key=lambda c: self.expected_tokens(c) / self.cost[(bucket, c)])
+        per = self.choices.setdefault(bucket, {})
+        per[n] = per.get(n, 0) + 1
+        return n
+
+    def record(self, bucket: int, n: int, seconds: float, verified: list[int] | None = None,
+               accepted: list[int] | None = None) -> None:
+        """A step with `n` drafts took `seconds`; per request, how many drafts it verified and kept."""
+        key = (bucket, n)
+        old = self.cost.get(key)
+        self.cost[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        self.tries[key] = self.tries.get(key, 0) + 1
+        self.last_tried[key] = self.steps
+        if not verified:
+            return
+        for d, a in zip(verified, accepted):
+            for k in range(1, min(d, a + 1) + 1):  # draft k was looked at when the k - 1 before it were kept
+                self.reached[k] = self.decay * self.reached[k] + 1
+                self.kept[k] = self.decay * self.kept[k] + (1 if k <= a else 0)
