@@ -25,6 +25,8 @@ and the next drafts.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from cachetier.spec_batch import SpecBatch
@@ -61,26 +63,55 @@ def accepted_drafts(view: SpecBatch, targets: torch.Tensor) -> torch.Tensor:
     return match.long().cumprod(dim=1).sum(dim=1)
 
 
-def finish(model: V4Model, view: SpecBatch, targets: torch.Tensor, streams: torch.Tensor, n_draft: int) -> torch.Tensor:
+class Drafter(Protocol):
+    """What proposes a step's drafts, inside the step: a drafter sees the verify forward's outcome and returns the
+    next step's `n` tokens per request. The MTP head (`MTPDrafter`) drafts one token per chained call of its one
+    block; a block drafter (DSpark-style: one forward proposing n tokens at once from the target's hidden states)
+    plugs in here as another `Drafter` with its own per-request state in the store. Fixed shapes, no host sync:
+    it runs inside the compiled / captured step."""
+
+    def propose(self, model: V4Model, view: SpecBatch, targets: torch.Tensor, streams: torch.Tensor,
+                accepted: torch.Tensor, n: int) -> torch.Tensor:
+        """targets [requests, span] (the tokens kept are 0..accepted), the verify's final streams [rows, hc, hidden],
+        accepted [requests] -> drafts [requests, n] for the positions after the last kept token's."""
+        ...
+
+
+class MTPDrafter:
+    """The checkpoint's MTP (NextN) head as the drafter (`model.mtp`): its window ring per request lives in the
+    request's state group (`Geometry.mtp_slots`); the entries of the kept positions are rewritten from the main
+    model's streams, then the block chains `n` greedy proposals from the last kept position."""
+
+    def propose(self, model: V4Model, view: SpecBatch, targets: torch.Tensor, streams: torch.Tensor,
+                accepted: torch.Tensor, n: int) -> torch.Tensor:
+        R, S = view.requests, view.span
+        a = accepted
+        mtp = model._mtp()
+        ring = view.take_mtp()  # [requests, slots, row]
+        state = MTPState(ring, floor=view._first(view.mtp_floor))
+        slots = ring.shape[1]
+        # the ring entries of the kept positions b..b+a-1 from the main model's streams and the token after each
+        keys = mtp.keys(model, streams, targets.flatten(), view.positions).view(R, S, -1)
+        rows = torch.arange(R, device=ring.device)
+        base = view._first(view.positions)
+        for j in range(S - 1):
+            slot = torch.remainder(base + j, slots)
+            ring[rows, slot] = torch.where((a > j)[:, None], keys[:, j], ring[rows, slot])
+        hidden = streams.view(R, S, *streams.shape[1:])[rows, a]
+        drafts = model.draft(state, hidden, targets[rows, a], base + a, n)  # writes the entries of b + a and the drafts'
+        view.put_mtp(state.ring)
+        return drafts
+
+
+MTP_DRAFTER = MTPDrafter()
+
+
+def finish(model: V4Model, view: SpecBatch, targets: torch.Tensor, streams: torch.Tensor, n_draft: int,
+           drafter: Drafter = MTP_DRAFTER) -> torch.Tensor:
     """Accept, commit and draft (steps 3-5 of the module docstring) -> [requests, span + 1 + n_draft] int64."""
-    R, S = view.requests, view.span
     a = accepted_drafts(view, targets)
     view.commit(a)
-    mtp = model._mtp()
-    ring = view.take_mtp()  # [requests, slots, row]
-    state = MTPState(ring, floor=view._first(view.mtp_floor))
-    slots = ring.shape[1]
-    # the ring entries of the kept positions b..b+a-1 from the main model's streams and the token after each
-    keys = mtp.keys(model, streams, targets.flatten(), view.positions).view(R, S, -1)
-    rows = torch.arange(R, device=ring.device)
-    base = view._first(view.positions)
-    for j in range(S - 1):
-        slot = torch.remainder(base + j, slots)
-        ring[rows, slot] = torch.where((a > j)[:, None], keys[:, j], ring[rows, slot])
-    hidden = streams.view(R, S, *streams.shape[1:])[rows, a]
-    last = targets[rows, a]
-    drafts = model.draft(state, hidden, last, base + a, n_draft)  # writes the entry of b + a and the drafts'
-    view.put_mtp(state.ring)
+    drafts = drafter.propose(model, view, targets, streams, a, n_draft)
     return torch.cat((targets, a[:, None], drafts), dim=1)
 
 
