@@ -278,3 +278,52 @@ def test_captured_replica_rank_step_replays_what_it_computes_uncaptured(tiny_dir
     before = sides[True][1].stats.calls["ep_all_gather"]
     captured.run_idle((4, 1))  # a round this rank has nothing for: the bucket's graph over padding rows
     assert captured.idle_forwards == 1 and sides[True][1].stats.calls["ep_all_gather"] - before == layers
+
+
+# --- the speculative step ------------------------------------------------------------------------------
+
+SPAN = 3  # two drafts a step
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["tier_off", "tier_on"])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_speculative_step_holds_nothing_a_graph_cannot(fake, offload, sampled):
+    """The whole speculative step (verify over SPAN positions per request, accept, commit, the MTP head's drafts)
+    as a worker captures it for a greedy batch, and as it runs it for a sampled one (the sampler between the
+    verify forward and the rest): two requests verifying 2 and 1 drafts beside two padding rows."""
+    from decode import speculative as spec
+    from model.sampling import SamplingBatch, index_column, sample_tokens
+
+    from core.types import SamplingParams
+
+    if "spec" not in _REAL:
+        m = build_empty(_config("bf16"), torch.float32, mtp=True)
+        random_init(m, SEED)
+        g = torch.Generator().manual_seed(SEED)
+        lays = [m.prefill(torch.randint(2, m.cfg.vocab_size, (n,), generator=g).tolist(), last_only=True)[1].clone()
+                for n in PROMPTS]
+        _REAL["spec"] = (m, lays)
+    model, layouts = copy.deepcopy(_REAL["spec"][0]), _REAL["spec"][1]
+    cfg = model.cfg
+    with fake:
+        model.to("cuda")
+        tier = TierConfig(offload=offload, reserved_slots=2, device_budget_bytes=8 * 2**20, host_pool_bytes=8 * 2**20,
+                          speculative_tokens=SPAN - 1)
+        store = TieredStore(cfg, tier, dtype=torch.float32, device="cuda")
+        ids = []
+        for i, lay in enumerate(layouts):
+            store.admit(f"r{i}", lay, lay.num_tokens + 8)
+            ids.append(f"r{i}")
+        view = store.spec_view(ids, ROWS, SPAN, num_blocks=BLOCKS, tokens=[[3, 4, 5], [5, 6]], drafts=[2, 1])
+        params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8)] * (len(ids) * SPAN)
+        sb = SamplingBatch.build(params, list(range(len(params))), "cuda", cfg.vocab_size)
+        index = index_column(list(range(len(params))), "cuda")
+        with torch.inference_mode(), capture_guard("cuda"):
+            if sampled:
+                logits, streams = spec.verify(model, view)
+                targets = sample_tokens(logits[: len(params)], sb, index).view(len(ids), SPAN)
+                targets = torch.cat((targets, targets.new_zeros(ROWS - len(ids), SPAN)))
+                out = spec.finish(model, view, targets, streams, SPAN - 1)
+            else:
+                out = spec.greedy_step(model, view, SPAN - 1)
+    assert out.shape == (ROWS, SPAN + 1 + SPAN - 1) and out.device.type == "cuda"
