@@ -72,3 +72,16 @@ def test_tier_option_errors_name_the_fix():
     assert r.returncode == 2 and "pass --device-budget" in r.stderr
     r = _run("--prompt-ids", "1,2", "--offload", "maybe")
     assert r.returncode == 2 and "on or off" in r.stderr
+
+
+def test_speculative_tokens_same_tokens_and_acceptance_length(tiny_model):
+    """`--speculative-tokens`: the MTP head drafts, the step verifies; the tokens are plain generation's and the
+    JSON reports the acceptance length (mean tokens kept per step) beside the tier counters."""
+    r = _run("--prompt-ids", "5,6,7,8,9,10,11,12,13", "--max-tokens", "40", "--json", "--ignore-eos",
+             "--speculative-tokens", "3", "--decode-mode", "eager", "--no-speculative-adaptive")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    ref, _, _ = generate_plain(tiny_model, [5, 6, 7, 8, 9, 10, 11, 12, 13], SamplingParams(max_tokens=40, ignore_eos=True))
+    assert out["token_ids"] == [t.token_id for t in ref]
+    assert out["acceptance_length"] > 1.0 and out["speculation"]["max_draft_tokens"] == 3
+    assert {"hits", "misses"} <= set(out["tier"])
