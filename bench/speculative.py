@@ -1,0 +1,377 @@
+"""Speculative decoding with the MTP head, measured side by side in one run (prints one JSON object).
+
+    python -m bench.speculative [--quick] [--batches 1,4,16] [--tokens 128] [--repeats 3]
+                                [--accept-prompts 8] [--accept-tokens 256]
+                                [--miss-prompts 4] [--miss-context 1536] [--miss-tokens 256]
+
+On the trained built-in model with its MTP head, over held-out prompts, greedy, the tier on throughout:
+
+1. acceptance: tokens kept per request-step with N = 1, 2, 3 drafts (adaptive policy off), overall and split at
+   the MTP ring's window (the decode side's ring starts empty at admission, so the first `sliding_window` decode
+   tokens draft from a partial ring), and the kept rate of each draft position;
+2. throughput: decode tokens/s with speculation off, N = 3 fixed and N = 3 adaptive at each batch, through the
+   compiled step (`StepConfig(decode_mode="compiled")`; the first run compiles for minutes, later ones read
+   Inductor's on-disk cache), the three run by turns for `--repeats` rounds, medians reported with the ratio
+   on / off and the draft counts the adaptive policy chose;
+3. miss rate: the hot buffer's misses per request-step and per generated token at LRU sizes k, 2k, 4k
+   (k = index_topk), speculation off and at every N the hot-buffer rule allows
+   (`cachetier.geometry.spec_lru_floor`: B >= (N + 1) k);
+4. greedy identity: every speculative run's tokens equal the plain run's over the same requests.
+
+`--quick`: a smoke run of a few seconds (tiny sizes, eager step everywhere).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import torch
+
+from bench.common import emit, environment, progress
+from core.configs import EAGER_STEP, StepConfig, TierConfig, parse_bytes
+
+COMPILED_STEP = StepConfig(decode_mode="compiled")
+"""The served step on a CPU: one fixed-shape step per bucket, compiled by Inductor."""
+
+
+def _model_and_tokenizer():
+    from model.builtin import SHIPPED, ensure_builtin
+    from model.loader import load_model
+    from model.tokenizer import load_tokenizer
+
+    path = ensure_builtin()
+    if path != SHIPPED:
+        raise SystemExit("no trained built-in model is shipped (model/assets/tiny); run `hisparse train --out model/assets/tiny --mtp`")
+    model = load_model(path, mtp=True)
+    if model.mtp is None:
+        raise SystemExit("the built-in model has no MTP head; train one with `hisparse train --mtp`")
+    return model, load_tokenizer(path)
+
+
+def greedy_requests(model, prompts: list[list[int]], batch: int, max_tokens: int, tag: str = "r") -> list:
+    """`batch` prefilled greedy requests over `prompts` (cycled), each generating `max_tokens` tokens (no early stop)."""
+    from core.types import SampledToken, SamplingParams
+    from decode.worker import DecodeRequest
+
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    layouts = {}
+    out = []
+    for i in range(batch):
+        j = i % len(prompts)
+        if j not in layouts:
+            logits, lay = model.prefill(prompts[j], last_only=True)
+            layouts[j] = (int(logits[-1].argmax()), lay)
+        first, lay = layouts[j]
+        out.append(DecodeRequest.fresh(f"{tag}{i}", lay, SampledToken(first), sp, seed=i))
+    return out
+
+
+def make_worker(model, draft_tokens: int, step: StepConfig, budget: int, max_running: int, lru: int | None = None,
+                adaptive: bool = False):
+    """A decode worker over a tiered store (tier on) that drafts up to `draft_tokens` (0: no speculation)."""
+    from cachetier.store import TieredStore
+    from decode.worker import DecodeWorker
+
+    tier = TierConfig(offload=True, speculative_tokens=draft_tokens, hot_buffer_slots=lru, device_budget_bytes=budget,
+                      host_pool_bytes=4 * budget, max_running=max_running)
+    store = TieredStore(model.cfg, tier, dtype=model.dtype)
+    step = dataclasses.replace(step, speculative_adaptive=adaptive)
+    # the idle integrity check would land in the last timed step of every run
+    return DecodeWorker(model, store, max_running=max_running, step_config=step, check_when_idle=False)
+
+
+class SpecLog:
+    """Wraps a worker's `runner.run_spec`: records, per speculative step, each request's verified drafts and how
+    many of them it kept (the step's own read back), for the per-position kept rates."""
+
+    def __init__(self, worker) -> None:
+        self.verified: list[int] = []
+        self.kept: list[int] = []
+        inner = worker.runner.run_spec
+
+        def run_spec(request_ids, tokens, drafts, span, *args, **kwargs):
+            rows = inner(request_ids, tokens, drafts, span, *args, **kwargs)
+            self.verified.extend(drafts)
+            self.kept.extend(row[span] for row in rows)
+            return rows
+
+        worker.runner.run_spec = run_spec
+
+    def kept_rates(self, n: int) -> dict[str, float | None]:
+        """Per draft position k: of the request-steps that verified draft k with drafts 1..k-1 kept, the share
+        that kept it too."""
+        out = {}
+        for k in range(1, n + 1):
+            reached = sum(1 for d, a in zip(self.verified, self.kept) if d >= k and a >= k - 1)
+            kept = sum(1 for d, a in zip(self.verified, self.kept) if d >= k and a >= k)
+            out[str(k)] = round(kept / reached, 4) if reached else None
+        return out
+
+
+@dataclasses.dataclass
+class Run:
+    tokens: dict[str, list[int]]
+    """Each request's generated token ids, in order (the prefill's first token not included)."""
+    request_steps: list[tuple[int, int]]
+    """(decode tokens the request had before the step, tokens it kept in the step), one per request and step."""
+    steps: int
+    seconds: float
+    """Wall time of the steps after the warm-up ones."""
+    timed_tokens: int
+    counters_after_warmup: dict
+    warm_request_steps: int
+    """Request-steps and tokens of the steps before the miss counters' snapshot (left out of the steady figures)."""
+    warm_tokens: int
+
+
+def drive(worker, requests: list, warmup_steps: int = 0, warmup_tokens: int = 0) -> Run:
+    """Submit copies of `requests`, step until they all finish. Times the steps after the first `warmup_steps`,
+    and snapshots the tier's counters once every request has `warmup_tokens` decode tokens."""
+    for r in requests:
+        worker.submit(dataclasses.replace(r, layout=r.layout.clone()))
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    request_steps: list[tuple[int, int]] = []
+    steps, seconds, timed = 0, 0.0, 0
+    snapshot, warm_rs, warm_tok = None, 0, 0
+    while worker.has_work():
+        t0 = time.perf_counter()
+        events = worker.step()
+        dt = time.perf_counter() - t0
+        if steps == 0 and len(worker.running) + sum(1 for ev in events if ev.finish_reason) < len(requests):
+            raise SystemExit(f"only {len(worker.running)} of {len(requests)} requests were admitted: raise --budget")
+        kept: dict[str, int] = {}
+        for ev in events:
+            kept[ev.request_id] = kept.get(ev.request_id, 0) + 1
+        for rid, n in kept.items():
+            request_steps.append((len(tokens[rid]), n))
+        for ev in events:
+            tokens[ev.request_id].append(ev.token.token_id)
+        steps += 1
+        if steps > warmup_steps:
+            seconds += dt
+            timed += len(events)
+        if snapshot is None and min(len(t) for t in tokens.values()) >= warmup_tokens:
+            snapshot = dict(worker.store.counter_totals())
+            warm_rs, warm_tok = len(request_steps), sum(len(t) for t in tokens.values())
+    return Run(tokens, request_steps, steps, seconds, timed, snapshot or dict(worker.store.counter_totals()), warm_rs, warm_tok)
+
+
+def _mean_kept(request_steps: list[tuple[int, int]]) -> dict:
+    n = len(request_steps)
+    return {"request_steps": n, "acceptance_length": round(sum(k for _, k in request_steps) / n, 4) if n else None}
+
+
+# --- 1. acceptance ---------------------------------------------------------------------------------
+
+
+def acceptance(model, prompts: list[list[int]], tokens: int, budget: int, step: StepConfig) -> dict:
+    window = model.cfg.sliding_window
+    reqs = greedy_requests(model, prompts, len(prompts), tokens, "a")
+    progress(f"acceptance: {len(reqs)} requests x {tokens} tokens, speculation off")
+    w = make_worker(model, 0, step, budget, len(reqs))
+    plain = drive(w, reqs)
+    w.close()
+    out = {"requests": len(reqs), "prompt_tokens": len(prompts[0]), "tokens_per_request": tokens, "step": step.decode_mode,
+           "sliding_window": window, "by_draft_tokens": {}, "identical_to_off": {}}
+    for n in (1, 2, 3):
+        w = make_worker(model, n, step, budget, len(reqs))
+        log = SpecLog(w)
+        run = drive(w, reqs)
+        spec = w.stats()["speculation"]
+        w.close()
+        row = {"steps": run.steps, "steps_off": plain.steps, **_mean_kept(run.request_steps),
+               "worker_acceptance_length": spec["acceptance_length"],
+               f"first_{window}_decode_tokens": _mean_kept([rs for rs in run.request_steps if rs[0] < window]),
+               f"after_{window}_decode_tokens": _mean_kept([rs for rs in run.request_steps if rs[0] >= window]),
+               "kept_rate_per_draft_position": log.kept_rates(n)}
+        out["by_draft_tokens"][str(n)] = row
+        out["identical_to_off"][str(n)] = run.tokens == plain.tokens
+        progress(f"acceptance with N={n}: {row['acceptance_length']} tokens per request-step "
+                 f"({run.steps} steps against {plain.steps}), identical: {out['identical_to_off'][str(n)]}")
+    return out
+
+
+# --- 2. throughput ---------------------------------------------------------------------------------
+
+
+def _choices_since(before: dict[int, dict[int, int]], after: dict[int, dict[int, int]]) -> dict[str, dict[str, int]]:
+    """Draft counts chosen per batch bucket between two snapshots of `DraftPolicy.choices`."""
+    out = {}
+    for bucket, per in sorted(after.items()):
+        diff = {str(n): c - before.get(bucket, {}).get(n, 0) for n, c in sorted(per.items())}
+        diff = {n: c for n, c in diff.items() if c}
+        if diff:
+            out[str(bucket)] = diff
+    return out
+
+
+def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int, repeats: int, warmup_steps: int,
+               budget: int, step: StepConfig) -> dict:
+    cap = max(batches)
+    workers = {}
+    for name, n, adaptive in (("off", 0, False), ("on_n3", 3, False), ("on_adaptive", 3, True)):
+        progress(f"throughput: building the {name} worker ({step.decode_mode} step"
+                 + ("; compiling, minutes from an empty Inductor cache" if step.decode_mode == "compiled" else "") + ")")
+        t0 = time.perf_counter()
+        workers[name] = make_worker(model, n, step, budget, cap, adaptive=adaptive)
+        st = workers[name].stats()["step"]
+        progress(f"  ready in {time.perf_counter() - t0:.1f} s ({st.compiles} compiles, {st.compile_s} s compiling)")
+    out = {"step": step.decode_mode, "compile_backend": step.compile_backend if step.decode_mode == "compiled" else None,
+           "tokens_per_request": tokens, "repeats": repeats, "warmup_steps_left_out": warmup_steps,
+           "prompt_tokens": len(prompts[0]), "workers": {}, "by_batch": {}}
+    for name, w in workers.items():
+        st = w.stats()["step"]
+        out["workers"][name] = {"mode": st.mode, "compiles": st.compiles, "compile_s": st.compile_s}
+    identical = True
+    for batch in batches:
+        reqs = greedy_requests(model, prompts, batch, tokens, f"b{batch}-")
+        rates: dict[str, list[float]] = {name: [] for name in workers}
+        steps: dict[str, list[int]] = {name: [] for name in workers}
+        before = {b: dict(c) for b, c in workers["on_adaptive"].policy.choices.items()}
+        ref = None
+        for rep in range(repeats):
+            for name, w in workers.items():  # by turns: the three share whatever else the machine does
+                run = drive(w, reqs, warmup_steps=warmup_steps)
+                rates[name].append(run.timed_tokens / run.seconds)
+                steps[name].append(run.steps)
+                if ref is None:
+                    ref = run.tokens
+                elif run.tokens != ref:
+                    identical = False
+                    progress(f"  batch {batch} {name} repeat {rep + 1}: tokens differ from speculation off")
+            progress(f"throughput batch {batch} repeat {rep + 1}/{repeats}: "
+                     + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in rates.items()))
+        med = {name: statistics.median(v) for name, v in rates.items()}
+        out["by_batch"][str(batch)] = {
+            **{f"tokens_per_s_{name}": round(v, 1) for name, v in med.items()},
+            "ratio_on_n3_off": round(med["on_n3"] / med["off"], 3),
+            "ratio_on_adaptive_off": round(med["on_adaptive"] / med["off"], 3),
+            "steps_per_run": {name: statistics.median(v) for name, v in steps.items()},
+            "tokens_per_s_all_repeats": {name: [round(x, 1) for x in v] for name, v in rates.items()},
+            "adaptive_draft_choices": _choices_since(before, workers["on_adaptive"].policy.choices),
+        }
+    for name, w in workers.items():
+        if name != "off":
+            out["workers"][name]["acceptance_length"] = w.stats()["speculation"]["acceptance_length"]
+        w.close()
+    out["identical_to_off"] = identical
+    return out
+
+
+# --- 3. miss rate ----------------------------------------------------------------------------------
+
+
+def _misses(counters: dict, base: dict | None, request_steps: int, tokens: int) -> dict:
+    base = base or {"hits": 0, "misses": 0}
+    misses = counters["misses"] - base["misses"]
+    hits = counters["hits"] - base["hits"]
+    return {"misses": misses, "hits": hits, "request_steps": request_steps, "tokens": tokens,
+            "misses_per_request_step": round(misses / request_steps, 4) if request_steps else None,
+            "misses_per_token": round(misses / tokens, 4) if tokens else None}
+
+
+def miss_rate(model, prompts: list[list[int]], tokens: int, warmup_tokens: int, budget: int, step: StepConfig) -> dict:
+    from cachetier.geometry import spec_lru_floor
+
+    k = model.cfg.index_topk
+    reqs = greedy_requests(model, prompts, len(prompts), tokens, "m")
+    out = {"index_topk": k, "requests": len(reqs), "prompt_tokens": len(prompts[0]), "tokens_per_request": tokens,
+           "step": step.decode_mode, "steady_after_decode_tokens": warmup_tokens, "by_hot_buffer": {}, "identical_to_off": True}
+    ref = None
+    for name, lru in (("k", k), ("2k", 2 * k), ("4k", 4 * k)):
+        row = {"hot_buffer_slots": lru}
+        for n in (0, 1, 2, 3):
+            key = "off" if n == 0 else f"on_n{n}"
+            if lru < spec_lru_floor(model.cfg, n):
+                row[key] = f"not allowed: the hot buffer needs (N + 1) x index_topk = {spec_lru_floor(model.cfg, n)} slots"
+                continue
+            w = make_worker(model, n, step, budget, len(reqs), lru=lru)
+            run = drive(w, reqs, warmup_tokens=warmup_tokens)
+            total = w.store.counter_totals()
+            w.close()
+            all_tokens = sum(len(t) for t in run.tokens.values())
+            row[key] = {"steps": run.steps,
+                        "whole_run": _misses(total, None, len(run.request_steps), all_tokens),
+                        "steady": _misses(total, run.counters_after_warmup, len(run.request_steps) - run.warm_request_steps,
+                                          all_tokens - run.warm_tokens)}
+            if ref is None:
+                ref = run.tokens
+            same = run.tokens == ref
+            out["identical_to_off"] = out["identical_to_off"] and same
+            progress(f"miss rate B={name} ({lru} slots) {key}: {row[key]['steady']['misses_per_request_step']} misses per "
+                     f"request-step, {row[key]['steady']['misses_per_token']} per token (steady), identical: {same}")
+        out["by_hot_buffer"][name] = row
+    return out
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes and the eager step: a smoke run")
+    ap.add_argument("--batches", default=None, help="throughput batches (default 1,4,16; quick 1,2)")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens per request in the throughput runs (default 128)")
+    ap.add_argument("--repeats", type=int, default=None, help="rounds of off / on / adaptive per batch (default 3)")
+    ap.add_argument("--warmup-steps", type=int, default=None, help="steps of each throughput run left out of its time")
+    ap.add_argument("--prompt-tokens", type=int, default=None, help="prompt length of the acceptance and throughput runs")
+    ap.add_argument("--accept-prompts", type=int, default=None)
+    ap.add_argument("--accept-tokens", type=int, default=None)
+    ap.add_argument("--miss-prompts", type=int, default=None)
+    ap.add_argument("--miss-context", type=int, default=None, help="prompt length of the miss-rate runs (>> 4 x index_topk)")
+    ap.add_argument("--miss-tokens", type=int, default=None)
+    ap.add_argument("--miss-warmup-tokens", type=int, default=None, help="decode tokens left out of the steady miss figures")
+    ap.add_argument("--step", choices=["compiled", "eager"], default=None, help="throughput step (default compiled; quick eager)")
+    ap.add_argument("--budget", default="64MiB", help="device budget of every worker's store")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    a = ap.parse_args(argv)
+    q = a.quick
+
+    def pick(value, full, quick):
+        return value if value is not None else (quick if q else full)
+
+    batches = [int(x) for x in pick(a.batches, "1,4,16", "1,2").split(",")]
+    budget = parse_bytes(a.budget)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    through_step = {"compiled": COMPILED_STEP, "eager": EAGER_STEP}[pick(a.step, "compiled", "eager")]
+    from bench.trained import held_out_prompts
+
+    model, tok = _model_and_tokenizer()
+    prompt_len = pick(a.prompt_tokens, 256, 48)
+    out = {"bench": "speculative", "env": environment(), "model": "built-in (trained), MTP head loaded", "quick": q}
+    out["notes"] = [
+        "greedy throughout; tier on (offload) in every run; acceptance length = tokens kept per request-step, the "
+        "worker's own definition (request-steps whose row verified fewer drafts, e.g. a request's first step with no "
+        "drafts yet or its last ones near max_tokens, count too)",
+        f"the decode side's MTP ring starts empty at admission: the first sliding_window ({model.cfg.sliding_window}) "
+        "decode tokens of a request draft from a partial ring, hence the acceptance split at that point",
+        "acceptance and miss-rate runs use the eager step (the tokens do not depend on the step mode); throughput uses "
+        f"the {through_step.decode_mode} step",
+        "CPU figures: the tiny model's step is overhead-bound, so verifying N + 1 positions costs little more than one",
+        "miss counters sum both CSA layers; a resolve counts each distinct missing entry once per request-step, and "
+        "hits count every selected id (duplicates across a step's verified positions included)",
+    ]
+    a_prompts = [ids for _, ids in held_out_prompts(tok, pick(a.accept_prompts, 8, 2), prompt_len)]
+    out["acceptance"] = acceptance(model, a_prompts, pick(a.accept_tokens, 256, 40), budget, EAGER_STEP)
+
+    t_prompts = [ids for _, ids in held_out_prompts(tok, max(batches), prompt_len)]
+    out["throughput"] = throughput(model, t_prompts, batches, pick(a.tokens, 128, 16), pick(a.repeats, 3, 1),
+                                   pick(a.warmup_steps, 4, 1), budget, through_step)
+
+    m_prompts = [ids for _, ids in held_out_prompts(tok, pick(a.miss_prompts, 4, 2), pick(a.miss_context, 1536, 160))]
+    out["miss_rate"] = miss_rate(model, m_prompts, pick(a.miss_tokens, 256, 24), pick(a.miss_warmup_tokens, 32, 8), budget,
+                                 EAGER_STEP)
+
+    out["greedy_identical"] = (all(out["acceptance"]["identical_to_off"].values()) and out["throughput"]["identical_to_off"]
+                               and out["miss_rate"]["identical_to_off"])
+    emit(out)
+    if not out["greedy_identical"]:
+        raise SystemExit("speculative decoding changed greedy tokens (see the identical_to_off fields)")
+
+
+if __name__ == "__main__":
+    main()
