@@ -198,6 +198,8 @@ class DecodeStats:
     dropped_subscribers: int = 0
     step: Any = None
     """How its decode step runs (`decode.runner.StepStats`)."""
+    speculation: dict | None = None
+    """With speculative decoding on: draft tokens, speculative steps, acceptance length, the draft counts chosen."""
 
     @classmethod
     def of(cls, worker_stats: dict, **actor: Any) -> DecodeStats:
