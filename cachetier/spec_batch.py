@@ -57,6 +57,11 @@ class SpecBatch(TieredBatch):
         self._r = torch.arange(requests * span, device=self._meta.device) // span
         self._j_np = (torch.arange(requests * span) % span).numpy().reshape(requests, span)
         self._pend: dict = {}
+        self.targets = torch.zeros(requests, span, dtype=torch.long, device=self._meta.device)
+        """[requests, span] the tokens the verified positions drew: what the step's second half reads (a buffer, so a
+        captured second half replays with each step's draws)."""
+        self.loaded: tuple = (None, None)
+        """The tokens and drafts `load` was last given (a capture refills the view with padding; the runner reloads)."""
 
     @property
     def requests(self) -> int:
@@ -65,7 +70,8 @@ class SpecBatch(TieredBatch):
         return self.positions.shape[0] // self.span
 
     def bucket_tensors(self):
-        return [*super().bucket_tensors(), (self.offsets, (0,)), (self.mtp_floor, (0,)), (self._j, (0,)), (self._r, (0,))]
+        return [*super().bucket_tensors(), (self.offsets, (0,)), (self.mtp_floor, (0,)), (self._j, (0,)), (self._r, (0,)),
+                (self.targets, (0,))]
 
     # host side ------------------------------------------------------------------------------------
 
@@ -75,6 +81,7 @@ class SpecBatch(TieredBatch):
         its drafts) and how many drafts it verifies (`drafts[r]` < span; the rest of its rows are padding)."""
         R, S = self.requests, self.span
         n = len(residents)
+        self.loaded = (tokens, drafts)
         if n > R:
             raise ValueError(f"{n} requests do not fit a speculative view of {R} requests")
         g = self.g

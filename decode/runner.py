@@ -169,6 +169,8 @@ class StepRunner:
         self.capture_s = 0.0
         self._compiled = None
         self._compiled_spec = None
+        self.spec_graphs: dict[tuple[int, int, int], tuple] = {}
+        """CUDA: per speculative bucket (rows, blocks, span), its two graphs and their buffers (`_capture_spec`)."""
         self._spec_warm: set[int] = set()
         """Spans whose speculative step is compiled."""
         self._warm = False
@@ -288,6 +290,12 @@ class StepRunner:
             return False
         while self.pending_captures:
             bucket = self.pending_captures.pop(0)
+            if len(bucket) == 3:  # a speculative bucket (rows, blocks, span)
+                if bucket in self.spec_graphs:
+                    continue
+                log.info("capturing the speculative graphs of bucket %s while idle", bucket)
+                self._capture_spec(bucket)
+                return True
             if bucket in self.graphs:
                 continue
             log.info("capturing the decode graph of bucket %s while idle", bucket)
@@ -452,34 +460,107 @@ class StepRunner:
         return self._compiled_spec
 
     def run_spec(self, request_ids: list[str], tokens: list[list[int]], drafts: list[int], span: int,
-                 before_forward: Callable[[], None] | None = None, sampling=None) -> list[list[int]]:
+                 before_forward: Callable[[], None] | None = None, sampling=None,
+                 bucket: Bucket | None = None) -> list[list[int]]:
         """One speculative step (`decode.speculative`): each request's `tokens` (the token it decodes from, then its
         drafts), of which it verifies `drafts[r]` (< span) -> per request [span targets, accepted, span - 1 next
         drafts] (the step's one read back). `sampling`: (a `SamplingBatch` of the view's rows, its index column)
-        for a batch that samples; None: greedy. The store advances by what each request kept."""
+        for a batch that samples; None: greedy. `bucket`: the (rows, blocks) the replica's ranks agreed on (replica
+        ranks only). The store advances by what each request kept."""
         n = len(request_ids)
-        rows = n if not self.fixed else max(self.min_bucket, batch_bucket(n, self.max_running))
-        view = self.store.spec_view(request_ids, rows, span, tokens=tokens, drafts=drafts,
-                                    min_blocks=self.min_bucket if self.fixed else 1)
+        if bucket is not None:
+            view = self.store.spec_view(request_ids, bucket[0], span, num_blocks=bucket[1], tokens=tokens, drafts=drafts)
+        elif self.replica:
+            raise ValueError("a replica rank's fixed-shape step runs the bucket its ranks agreed on (`agree`)")
+        else:
+            rows = n if not self.fixed else max(self.min_bucket, batch_bucket(n, self.max_running))
+            view = self.store.spec_view(request_ids, rows, span, tokens=tokens, drafts=drafts,
+                                        min_blocks=self.min_bucket if self.fixed else 1)
         if before_forward is not None:
             before_forward()
-        key = ("spec", *view.spec_bucket)
-        self.steps_by_bucket[key] = self.steps_by_bucket.get(key, 0) + 1
         with torch.inference_mode():
-            if sampling is None and self.compiled:
-                out = self._run_spec_compiled(view, span - 1)
-            elif sampling is None:
-                out = _spec_greedy(self.model, view, span - 1)
-            else:
-                sb, index = sampling  # n * span rows: the padding rows of a bucket draw nothing
-                logits, streams = spec.verify(self.model, view)
-                targets = sample_tokens(logits[: n * span], sb, index).view(n, span)
-                if rows > n:
-                    targets = torch.cat((targets, targets.new_zeros(rows - n, span)))
-                out = spec.finish(self.model, view, targets, streams, span - 1)
+            out = self._spec_fixed(view, n, sampling)
         result = out[:n].tolist()
         view.advance([r[span] for r in result])
         return result
+
+    def _spec_fixed(self, view, n: int, sampling) -> torch.Tensor:
+        """The speculative step over `view` (n real requests): replayed from its bucket's graphs (CUDA), compiled
+        whole for a greedy batch (CPU), else run op by op (eager, uncaptured, a sampled CPU batch)."""
+        key = view.spec_bucket
+        span = key[2]
+        self.steps_by_bucket[("spec", *key)] = self.steps_by_bucket.get(("spec", *key), 0) + 1
+        if self.replica:
+            self.model.comm.fix_rows(view.bucket[0])  # every exchange: rows x span from every rank
+        if self.use_graphs:
+            if key not in self.spec_graphs and not self._warm:
+                log.info("capturing the speculative graphs of bucket %s", key)
+                saved = (list(view.residents), *view.loaded)
+                self._capture_spec(key)  # it ran on this bucket's view, loaded with padding: load it again
+                view.load(*saved)
+            if key in self.spec_graphs:
+                verify, logits, streams, rest, out, _ = self.spec_graphs[key]
+                verify.replay()
+                view.targets.copy_(self._targets(logits, view, n, sampling))
+                rest.replay()
+                return out
+            if key not in self.pending_captures:
+                self.pending_captures.append(key)
+            self.eager_steps += 1
+        elif self.compiled and sampling is None:
+            return self._run_spec_compiled(view, span - 1)
+        logits, streams = spec.verify(self.model, view)
+        return spec.finish(self.model, view, self._targets(logits, view, n, sampling), streams, span - 1)
+
+    def _targets(self, logits: torch.Tensor, view, n: int, sampling) -> torch.Tensor:
+        """The token each verified position draws ([requests, span], padding requests 0): greedy argmax, or the
+        batch's sampler over the n real requests' rows (`sampling`: its `SamplingBatch`, index column)."""
+        span = view.span
+        if sampling is None:
+            return logits.view(-1, span, logits.shape[-1]).argmax(dim=-1)
+        sb, index = sampling
+        targets = sample_tokens(logits[: n * span], sb, index).view(n, span)
+        rows = view.requests
+        return targets if rows == n else torch.cat((targets, targets.new_zeros(rows - n, span)))
+
+    def _capture_spec(self, key: tuple[int, int, int]) -> None:
+        """Capture a speculative bucket as two graphs sharing the pool: the verify forward, and the rest of the step
+        (accept, commit, draft) reading the targets from the view's buffer, so a greedy and a sampled batch replay
+        the same graphs with their own sampler between them. On padding rows only (the warm-up writes scratch)."""
+        t0 = time.perf_counter()
+        rows, blocks, span = key
+        view = self.store.spec_view([], rows, span, num_blocks=blocks)
+        with torch.inference_mode():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # kernels compile and autotune outside the capture
+                    if self.replica:
+                        self.model.comm.fix_rows(view.bucket[0])
+                    logits, streams = spec.verify(self.model, view)
+                    spec.finish(self.model, view, self._targets(logits, view, 0, None), streams, span - 1)
+            torch.cuda.current_stream().wait_stream(side)
+            if self.replica:
+                self.model.comm.fix_rows(view.bucket[0])
+            verify = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(verify, pool=self._pool, capture_error_mode="thread_local"):
+                logits, streams = spec.verify(self.model, view)
+            self._pool = self._pool or verify.pool()
+            # what the second graph reads of the first's: held for good, so no later capture reuses that memory
+            keep = (dict(view._pend), view.base, view.live, view.gbase)
+            rest = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(rest, pool=self._pool, capture_error_mode="thread_local"):
+                out = spec.finish(self.model, view, view.targets, streams, span - 1)
+        self.spec_graphs[key] = (verify, logits, streams, rest, out, keep)
+        self.capture_s += time.perf_counter() - t0
+
+    def run_idle_spec(self, bucket: Bucket, span: int) -> None:
+        """A lockstep round this rank has nothing for, when the replica's ranks agreed on a speculative step: the same
+        step over padding rows only, so every exchange (the verify's and the drafter's) finds this rank."""
+        self.idle_forwards += 1
+        view = self.store.spec_view([], bucket[0], span, num_blocks=bucket[1])
+        with torch.inference_mode():
+            self._spec_fixed(view, 0, None)
 
     def _run_spec_compiled(self, view, n_draft: int) -> torch.Tensor:
         for t, dims in view.bucket_tensors():
@@ -508,7 +589,14 @@ class StepRunner:
         return out
 
     def warmup_spec(self, spans: list[int]) -> None:
-        """Compile the greedy speculative step for each span ahead of the first request (CPU), on padding rows."""
+        """Ahead of the first request, on padding rows: compile the greedy speculative step for each span (CPU), or
+        capture the widest span's buckets up to `capture_context_tokens` (CUDA; a narrower span's bucket is captured
+        when a step first needs it, while the worker is idle)."""
+        if self.use_graphs and self.cfg.warmup and spans:
+            for rows, blocks in self.warmup_buckets():
+                self._capture_spec((rows, blocks, max(spans)))
+            log.info("captured %d speculative graph pairs in %.1fs in all", len(self.spec_graphs), self.capture_s)
+            return
         if not (self.compiled and self.cfg.warmup):
             return
         b = self.min_bucket
