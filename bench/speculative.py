@@ -3,6 +3,7 @@
     python -m bench.speculative [--quick] [--batches 1,4,16] [--tokens 128] [--repeats 3]
                                 [--accept-prompts 8] [--accept-tokens 256]
                                 [--miss-prompts 4] [--miss-context 1536] [--miss-tokens 256]
+                                [--step compiled|eager] [--compile-backend inductor|eager] [--threads N]
 
 On the trained built-in model with its MTP head, over held-out prompts, greedy, the tier on throughout:
 
@@ -325,6 +326,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--miss-tokens", type=int, default=None)
     ap.add_argument("--miss-warmup-tokens", type=int, default=None, help="decode tokens left out of the steady miss figures")
     ap.add_argument("--step", choices=["compiled", "eager"], default=None, help="throughput step (default compiled; quick eager)")
+    ap.add_argument("--compile-backend", choices=["inductor", "eager"], default="inductor",
+                    help="compiled step: inductor (served; minutes to compile cold) or eager (capture only: checks the path in seconds)")
     ap.add_argument("--budget", default="64MiB", help="device budget of every worker's store")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     a = ap.parse_args(argv)
@@ -337,7 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     budget = parse_bytes(a.budget)
     if a.threads:
         torch.set_num_threads(a.threads)
-    through_step = {"compiled": COMPILED_STEP, "eager": EAGER_STEP}[pick(a.step, "compiled", "eager")]
+    through_step = {"compiled": dataclasses.replace(COMPILED_STEP, compile_backend=a.compile_backend),
+                    "eager": EAGER_STEP}[pick(a.step, "compiled", "eager")]
     from bench.trained import held_out_prompts
 
     model, tok = _model_and_tokenizer()
