@@ -96,8 +96,9 @@ class KVStore(ABC):
         compiler runs scratch steps on it while the step thread uses the persistent ones)."""
         return None
 
-    def bucket_blocks(self, request_ids: list[str]) -> int:
-        """The block-table width (context bucket) a fixed-shape step over these requests needs."""
+    def bucket_blocks(self, request_ids: list[str], span: int = 1) -> int:
+        """The block-table width (context bucket) a fixed-shape step over these requests needs, each verifying `span`
+        positions (speculation; 1: one new token)."""
         raise NotImplementedError(f"{type(self).__name__} runs no fixed-shape steps")
 
     @abstractmethod
@@ -426,8 +427,9 @@ class TieredStore(KVStore):
     def batch(self, request_ids: list[str]) -> TieredBatch:
         return self.step_view(request_ids, len(request_ids))
 
-    def bucket_blocks(self, request_ids: list[str]) -> int:
-        return self.context_blocks(list(map(self.residents.__getitem__, request_ids)))
+    def bucket_blocks(self, request_ids: list[str], span: int = 1) -> int:
+        res = list(map(self.residents.__getitem__, request_ids))
+        return context_blocks(max(map(num_tokens_of, res), default=0) + span, self.geo.block_tokens)
 
     def new_view(self, num_rows: int, num_blocks: int) -> TieredBatch:
         """A fresh step view of `num_rows` x `num_blocks` over this store (`step_view` keeps one per bucket)."""
@@ -464,8 +466,7 @@ class TieredStore(KVStore):
             raise ValueError(f"this store was made for {self.geo.spec_tokens} draft tokens a step "
                              f"(TierConfig.speculative_tokens), not {span - 1}")
         res = list(map(self.residents.__getitem__, request_ids))
-        blocks = num_blocks or max(min_blocks, context_blocks(max(map(num_tokens_of, res), default=0) + span,
-                                                              self.geo.block_tokens))
+        blocks = num_blocks or max(min_blocks, self.bucket_blocks(request_ids, span))
         key = ("spec", requests, blocks, span)
         view = None if private else self._views.get(key)
         if view is None:

@@ -123,12 +123,18 @@ class StepPlan:
     """Fixed-shape steps: the bucket of the first forward (the batch; None for eager ranks)."""
     rest: Bucket | None = None
     """The bucket of every later forward (a request that decodes alone: `solo`)."""
-    capture: Bucket | None = None
-    """CUDA graphs, on a step nobody has work in: the bucket every rank captures now."""
+    capture: tuple[int, ...] | None = None
+    """CUDA graphs, on a step nobody has work in: the bucket every rank captures now ((rows, blocks), or
+    (rows, blocks, span) for a speculative one)."""
+    span: int = 1
+    """Positions per request the first forward verifies (speculation; 1: a plain step)."""
 
     def bucket(self, round_: int) -> Bucket | None:
         return self.first if round_ == 0 else self.rest
 
+
+ANY_SPAN = 1 << 20
+"""What a rank with no first forward proposes for its span: whatever the others agree."""
 
 NO_BUCKET = (0, 0)
 """What a rank sends for a forward it does not run, or a capture it does not need (every bucket is larger)."""
@@ -305,32 +311,40 @@ class StepRunner:
 
     # lockstep (replica ranks) --------------------------------------------------------------------
 
-    def need(self, groups: list[list[str]]) -> Bucket:
-        """The smallest bucket that holds every one of these forwards (each a list of request ids)."""
+    def need(self, groups: list[list[str]], span: int = 1) -> Bucket:
+        """The smallest bucket that holds every one of these forwards (each a list of request ids), verifying `span`
+        positions per request."""
         if not groups:
             return NO_BUCKET
         rows = max(max(self.min_bucket, batch_bucket(len(ids), self.max_running)) for ids in groups)
-        return rows, max(max(self.min_bucket, self.store.bucket_blocks(ids)) for ids in groups)
+        return rows, max(max(self.min_bucket, self.store.bucket_blocks(ids, span)) for ids in groups)
 
-    def agree(self, groups: list[list[str]]) -> StepPlan:
+    def agree(self, groups: list[list[str]], span: int = 1) -> StepPlan:
         """The step every rank of the replica runs, given this rank's forwards (request ids each): one gather
         over the metadata group, on the host, before the step. Eager ranks agree on the number of forwards
         only (each forward sizes its exchanges itself); fixed-shape ranks also on the bucket of each forward:
         for every entry, the largest any rank needs, so all exchanges are alike. The first forward and the
         later ones (solo requests, one row each) get buckets of their own, so a solo request does not pad
-        to the batch."""
+        to the batch. `span`: the positions this rank's first forward would verify per request (speculation; 1:
+        a plain step): the first forward of every rank verifies the fewest any rank asks for, so all run one kind of
+        step, and its block table is wide enough for them."""
         comm = self.model.comm
         if not self.fixed:
             return StepPlan(comm.rounds(len(groups)))
         proposal = self.pending_captures[0] if self.pending_captures else NO_BUCKET
-        every = comm.gather_ints([len(groups), *self.need(groups[:1]), *self.need(groups[1:]), *proposal])
+        proposal = (*proposal, 1)[:3]  # (rows, blocks, span): a plain bucket's span is 1
+        wish = span if groups else ANY_SPAN
+        every = comm.gather_ints([len(groups), *self.need(groups[:1], span), *self.need(groups[1:]), *proposal, wish])
         rounds = max(row[0] for row in every)
         if rounds == 0:  # nobody has work: the time to capture what some step found uncaptured
-            capture = max(tuple(row[5:7]) for row in every)
-            return StepPlan(0, capture=capture if capture != NO_BUCKET else None)
+            capture = max(tuple(row[5:8]) for row in every)
+            if capture[:2] == NO_BUCKET:
+                return StepPlan(0)
+            return StepPlan(0, capture=capture if capture[2] > 1 else capture[:2])
+        agreed = min(row[8] for row in every)  # every rank speculates with the fewest drafts any wants (1: none)
         first = (max(row[1] for row in every), max(row[2] for row in every))
         rest = (max(row[3] for row in every), max(row[4] for row in every)) if rounds > 1 else None
-        return StepPlan(rounds, first, rest)
+        return StepPlan(rounds, first, rest, span=1 if agreed == ANY_SPAN else agreed)
 
     def capture_agreed(self, bucket: Bucket) -> None:
         """Capture `bucket` now, as every rank of the replica does (`StepPlan.capture`): even a rank that
@@ -338,7 +352,10 @@ class StepRunner:
         if bucket in self.pending_captures:
             self.pending_captures.remove(bucket)
         log.info("capturing the decode graph of bucket %s with the replica's other ranks", bucket)
-        self._capture(bucket)
+        if len(bucket) == 3:
+            self._capture_spec(bucket)
+        else:
+            self._capture(bucket)
 
     def run_idle(self, bucket: Bucket | None) -> None:
         """A lockstep round this rank has nothing for: an eager rank's `idle_forward` (zero rows through every
@@ -449,7 +466,7 @@ class StepRunner:
         """The most draft tokens a step may verify per request (the store's `TierConfig.speculative_tokens`), or 0:
         this worker does not speculate (no MTP head, a replica rank, or speculation off)."""
         n = getattr(getattr(self.store, "geo", None), "spec_tokens", 0)
-        if not n or getattr(self.model, "mtp", None) is None or self.replica:
+        if not n or getattr(self.model, "mtp", None) is None or (self.replica and not self.fixed):
             return 0
         return n
 

@@ -36,7 +36,7 @@ from model.mtp import MTPState
 
 def check_speculation(model, store, runner) -> None:
     """Refuse a worker asked to speculate (its store made with `TierConfig.speculative_tokens` > 0) that cannot:
-    a model without an MTP head, a stand-in step, or a rank of an expert-parallel replica (not built yet)."""
+    a model without an MTP head, a stand-in step, or an eagerly stepping rank of an expert-parallel replica."""
     n = getattr(getattr(store, "geo", None), "spec_tokens", 0)
     if not n:
         return
@@ -44,9 +44,9 @@ def check_speculation(model, store, runner) -> None:
         raise ValueError(f"--speculative-tokens {n} drafts with the model's MTP head, and this model has none (its "
                          "checkpoint holds no mtp.* tensors, or it is a stand-in step); serve it with --speculative-tokens 0, "
                          "or add a head with `hisparse train --mtp`")
-    if runner is not None and runner.replica:
-        raise ValueError("speculative decoding on an expert-parallel replica is not supported yet: serve the replica with "
-                         "--speculative-tokens 0")
+    if runner is not None and runner.replica and not runner.fixed:
+        raise ValueError("speculative decoding on an expert-parallel replica needs its fixed-shape step (the ranks agree "
+                         "on each step's bucket and span): serve it with --decode-mode compiled or --speculative-tokens 0")
 
 
 def verify(model: V4Model, view: SpecBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -428,21 +428,25 @@ class DecodeWorker:
             self._groups = self._regroup()
         groups = self._groups
         rounds, plan = len(groups), None
-        if self.lockstep:  # one gather: every rank's forwards (and, fixed-shape, their buckets)
-            plan = self.runner.agree([g.ids for g in groups])
+        if self.lockstep:  # one gather: every rank's forwards (and, fixed-shape, their buckets and span)
+            wish = 1
+            if self.policy is not None and groups and groups[0].speculates:
+                wish = 1 + self.policy.choose(batch_bucket(len(groups[0].ids), self.max_running))
+            plan = self.runner.agree([g.ids for g in groups], wish)
             self.last_rounds = rounds = plan.rounds
         if not self.running:
             for r in range(rounds):
-                self.runner.run_idle(plan.bucket(r))
+                self._run_idle(plan, r)
             if plan is not None and plan.capture is not None:  # nobody has work: every rank captures it now
                 self.runner.capture_agreed(plan.capture)
             if not self.lockstep or rounds:
                 self._check_if_idle()
             return []
         ended: list[str] = []
-        outputs = [self._decode(g, ended, plan.bucket(r) if plan is not None else None) for r, g in enumerate(groups)]
+        outputs = [self._decode(g, ended, plan.bucket(r) if plan is not None else None,
+                                (plan.span if r == 0 else 1) if plan is not None else None) for r, g in enumerate(groups)]
         for r in range(len(groups), rounds):
-            self.runner.run_idle(plan.bucket(r))
+            self._run_idle(plan, r)
         if ended:
             self._leave(ended)
         self.steps += 1
@@ -450,6 +454,13 @@ class DecodeWorker:
         self.tokens_out += len(events)
         self._check_if_idle()
         return events
+
+    def _run_idle(self, plan, r: int) -> None:
+        """Round r of a lockstep step that this rank has nothing for: the agreed kind of forward over padding rows."""
+        if r == 0 and plan.span > 1:
+            self.runner.run_idle_spec(plan.first, plan.span)
+        else:
+            self.runner.run_idle(plan.bucket(r))
 
     def _regroup(self) -> list[_Group]:
         """The forwards of a step: every request that is not solo in one, then each solo request alone."""
@@ -473,8 +484,9 @@ class DecodeWorker:
                 self.history.free(run.slot)
             self.store.free(rid)
 
-    def _decode(self, g: _Group, ended: list[str], bucket: tuple[int, int] | None = None) -> StepTokens:
-        """One forward over a group (in `bucket`, when the replica's ranks agreed on one); the ids of rows that
+    def _decode(self, g: _Group, ended: list[str], bucket: tuple[int, int] | None = None, span: int | None = None) -> StepTokens:
+        """One forward over a group (in `bucket`, when the replica's ranks agreed on one, verifying `span` positions
+        per request when they agreed on a speculative step; None: this worker decides); the ids of rows that
         finished (or failed) are added to `ended`."""
         def launch() -> None:  # once the step's inputs are built, right before its forward
             if self.before_forward is not None:
@@ -483,11 +495,11 @@ class DecodeWorker:
                 self._inject_faults(g.faults)  # a fault stands for a forward that hangs or fails
 
         spec_bucket = None
-        if self.policy is not None and g.speculates and not self.lockstep:
+        if self.policy is not None and (g.speculates or span is not None):
             spec_bucket = batch_bucket(len(g.ids), self.max_running)
-            n = self.policy.choose(spec_bucket)
+            n = self.policy.choose(spec_bucket) if span is None else span - 1  # a replica's ranks agreed on theirs
             if n > 0:
-                return self._decode_spec(g, ended, n, launch, spec_bucket)
+                return self._decode_spec(g, ended, n, launch, spec_bucket, bucket)
             g.mtp_stale = True
             g.drafts = [[] for _ in g.ids]
         t0 = time.perf_counter()
@@ -543,7 +555,8 @@ class DecodeWorker:
                 ended.append(g.ids[row])
         return StepTokens(g.ids, counts - 1, tokens, sampled, reasons)
 
-    def _decode_spec(self, g: _Group, ended: list[str], n: int, launch: Callable[[], None], bucket: int) -> StepTokens:
+    def _decode_spec(self, g: _Group, ended: list[str], n: int, launch: Callable[[], None], bucket: int,
+                     agreed: tuple[int, int] | None = None) -> StepTokens:
         """One speculative step over a group (`decode.speculative`): every row verifies up to `n` drafts and keeps
         1 to n + 1 tokens, the same tokens a plain step would give one by one. Returns them in order, a row's
         tokens side by side; a row that ends (stop token, length) keeps nothing after its last token."""
@@ -564,7 +577,7 @@ class DecodeWorker:
                         [p for p in g.params for _ in range(span)], [s for s in g.seeds for _ in range(span)],
                         self.model.device, self.model.cfg.vocab_size, eos_ids=self.eos_ids)
                 sampling = (sb, index_column([c + j for c in g.num_generated.tolist() for j in range(span)], self.model.device))
-            rows = self.runner.run_spec(g.ids, inputs, verify, span, launch, sampling)
+            rows = self.runner.run_spec(g.ids, inputs, verify, span, launch, sampling, agreed)
         except Exception as e:
             self.failed_steps += 1
             log.exception("speculative decode step over %d request(s) failed; failing them", len(g.ids))
