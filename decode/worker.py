@@ -579,6 +579,8 @@ class DecodeWorker:
                 sampling = (sb, index_column([c + j for c in g.num_generated.tolist() for j in range(span)], self.model.device))
             rows = self.runner.run_spec(g.ids, inputs, verify, span, launch, sampling, agreed)
         except Exception as e:
+            if self.lockstep:
+                raise ReplicaBroken(f"a speculative decode step failed on a replica rank: {type(e).__name__}: {e}") from e
             self.failed_steps += 1
             log.exception("speculative decode step over %d request(s) failed; failing them", len(g.ids))
             for rid, run in zip(g.ids, g.runs):
