@@ -248,6 +248,28 @@ class GrammarState:
         """Write this request's allowed next tokens into row `row` of a host int32 bitmask [rows, words]."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
+    def fill_ahead(self, bitmask: torch.Tensor, row: int, drafts: Sequence[int]) -> int:
+        """The masks of a speculative step's positions: row `row + j` of `bitmask` gets the allowed next tokens
+        after drafts[:j], for j = 0..k; returns k, how many leading drafts the step may verify. It stops before a
+        draft the grammar rejects (it could never be kept) and before one that ends the grammar (the request
+        would end on it: the target before it may still draw it, and nothing after it is needed). The matcher is
+        left where it was (rolled back), so the tokens the step keeps are accepted afterwards as on a plain step."""
+        self.fill(bitmask, row)
+        if self.done:
+            return 0
+        taken = verifiable = 0
+        for t in drafts:
+            if not self.matcher.accept_token(int(t)):
+                break
+            taken += 1
+            if self.matcher.is_terminated():
+                break
+            verifiable += 1
+            self.fill(bitmask, row + verifiable)
+        if taken:
+            self.matcher.rollback(taken)
+        return verifiable
+
 
 class GrammarMasks:
     """A worker's bitmask for the rows of one sampling call: a host buffer [rows, words] int32 the matchers
@@ -257,6 +279,7 @@ class GrammarMasks:
     step."""
 
     def __init__(self, rows: int, words: int, device: torch.device | str) -> None:
+        self.rows = rows
         self.device = torch.device(device)
         self.host = torch.empty((rows, words), dtype=torch.int32, pin_memory=self.device.type == "cuda")
         on_cpu = self.device.type == "cpu"
@@ -269,12 +292,31 @@ class GrammarMasks:
         device buffer's first len(states) rows [rows, words] int32."""
         t0 = time.perf_counter()
         n = len(states)
-        host = self.host[:n]
-        host.fill_(-1)  # all 32 bits of every word: rows without a grammar allow everything
+        self.host[:n].fill_(-1)  # all 32 bits of every word: rows without a grammar allow everything
         for i, s in enumerate(states):
             if s is not None:
                 s.fill(self.host, i)
+        return self._ship(n, t0)
+
+    def fill_spec(self, states: Sequence[GrammarState | None], drafts: Sequence[Sequence[int]],
+                  span: int) -> tuple[torch.Tensor, list[int]]:
+        """The mask of a speculative step's view, `span` rows per request (position j of request i at row
+        i * span + j; `GrammarState.fill_ahead`), and how many of `drafts[i]` (the fewer than `span` drafts
+        request i would verify) each request may verify: all of them for a free row. Rows a request does not
+        verify allow everything: their draws are never kept.
+        -> (the device buffer's first len(states) * span rows [rows * span, words] int32, the counts)."""
+        t0 = time.perf_counter()
+        n = len(states) * span
+        if n > self.rows:
+            raise ValueError(f"a speculative step of {len(states)} x {span} rows needs a mask of {n} rows; this one has {self.rows}")
+        self.host[:n].fill_(-1)
+        verify = [len(d) if s is None else s.fill_ahead(self.host, i * span, d) for i, (s, d) in enumerate(zip(states, drafts))]
+        return self._ship(n, t0), verify
+
+    def _ship(self, n: int, t0: float) -> torch.Tensor:
+        """The first n rows, just filled, on the device."""
         self.fill_s += time.perf_counter() - t0
+        host = self.host[:n]
         if self.on_device is self.host:
             return host
         out = self.on_device[:n]

@@ -221,17 +221,28 @@ class TokenHistory:
     - `recent` [capacity, RING] int64: the last RING generated tokens, most recent last, NO_TOKEN before the
       first — bad words' prefixes are matched against its tail.
     9 bytes a vocabulary entry a row (74 MB for 64 rows of 129,280). `take`, `load` and `free` are host work
-    between steps; steps only read and write the rows of their batch."""
+    between steps; steps only read and write the rows of their batch.
+
+    `scratch` more rows past `capacity` are never taken: a speculative step verifies position j of a request
+    with the request's history plus its first j drafts, and that history is written into a scratch row
+    (`copy_rows`, then `extend`) so the request's own row only ever holds tokens it kept."""
 
     RING = MAX_BAD_WORD_TOKENS - 1
 
-    def __init__(self, capacity: int, vocab: int, device: torch.device | str) -> None:
-        self.capacity, self.vocab, self.device = capacity, vocab, torch.device(device)
-        self.counts = torch.zeros((capacity, vocab), dtype=torch.int32, device=device)
-        self.penalty = torch.zeros((capacity, vocab), dtype=torch.float32, device=device)
-        self.seen = torch.zeros((capacity, vocab), dtype=torch.bool, device=device)
-        self.recent = torch.full((capacity, self.RING), NO_TOKEN, dtype=torch.int64, device=device)
+    def __init__(self, capacity: int, vocab: int, device: torch.device | str, scratch: int = 0) -> None:
+        self.capacity, self.scratch, self.vocab, self.device = capacity, scratch, vocab, torch.device(device)
+        rows = capacity + scratch
+        self.counts = torch.zeros((rows, vocab), dtype=torch.int32, device=device)
+        self.penalty = torch.zeros((rows, vocab), dtype=torch.float32, device=device)
+        self.seen = torch.zeros((rows, vocab), dtype=torch.bool, device=device)
+        self.recent = torch.full((rows, self.RING), NO_TOKEN, dtype=torch.int64, device=device)
         self._free = list(range(capacity - 1, -1, -1))
+
+    def scratch_slot(self, i: int) -> int:
+        """The slot of scratch row `i` (0 <= i < scratch)."""
+        if not 0 <= i < self.scratch:
+            raise IndexError(f"scratch row {i} of a token history with {self.scratch}")
+        return self.capacity + i
 
     def take(self, params: SamplingParams, prompt: Sequence[int], generated: Sequence[int]) -> int:
         """A free row, loaded for a request with these params and tokens; returns its slot."""
@@ -259,6 +270,45 @@ class TokenHistory:
 
     def free(self, slot: int) -> None:
         self._free.append(slot)
+
+    def push(self, slots: torch.Tensor, tokens: torch.Tensor, ones: torch.Tensor, frequency: torch.Tensor | None,
+             presence: torch.Tensor | None, recent: bool) -> None:
+        """One more generated token per row (device, capture-safe): `tokens` [h] int64 join rows `slots` [h] int64
+        (distinct) — counted (`ones` [h] int32), seen, their penalties rewritten from the new counts when
+        `frequency`/`presence` [h] float32 are given (None: the rows ask for neither, their penalties stay zero),
+        and, with `recent`, pushed onto the recent tokens (needed only where a bad word has a prefix)."""
+        at = slots * self.vocab + tokens  # [h] flat positions in the history's rows
+        counts = self.counts.view(-1)
+        counts.index_add_(0, at, ones)
+        self.seen.view(-1).index_fill_(0, at, True)
+        if frequency is not None:
+            self.penalty.view(-1).index_copy_(0, at, count_penalty(counts[at], frequency, presence))
+        if recent:
+            last = self.recent[slots]  # [h, RING]
+            self.recent.index_copy_(0, slots, torch.cat((last[:, 1:], tokens[:, None]), dim=1))
+
+    def extend(self, slots: Sequence[int], params: Sequence[SamplingParams], tokens: Sequence[Sequence[int]]) -> None:
+        """Rows `slots` (of requests with `params`) generated `tokens[i]`, in order: what steps recording them one
+        at a time would leave (`push`, one call per token position across the rows). Host work between steps."""
+        live = [i for i, t in enumerate(tokens) if len(t)]
+        f32 = torch.float32
+        for k in range(max((len(tokens[i]) for i in live), default=0)):
+            rows = [i for i in live if len(tokens[i]) > k]
+            freq = [params[i].frequency_penalty for i in rows]
+            pres = [params[i].presence_penalty for i in rows]
+            asks = any(freq) or any(pres)
+            self.push(_ints([slots[i] for i in rows], self.device), _ints([int(tokens[i][k]) for i in rows], self.device),
+                      torch.ones(len(rows), dtype=torch.int32, device=self.device),
+                      torch.tensor(freq, dtype=f32, device=self.device) if asks else None,
+                      torch.tensor(pres, dtype=f32, device=self.device) if asks else None, recent=True)
+
+    def copy_rows(self, dst: Sequence[int], src: Sequence[int]) -> None:
+        """Rows `dst` become copies of rows `src` (host work between steps; `dst` distinct)."""
+        if not len(dst):
+            return
+        d, s = _ints(list(dst), self.device), _ints(list(src), self.device)
+        for t in (self.counts, self.penalty, self.seen, self.recent):
+            t.index_copy_(0, d, t[s])
 
     @property
     def taken(self) -> int:
@@ -432,16 +482,8 @@ class LogitProcessors:
         new counts), seen, and (when the batch matches bad words' prefixes) pushed onto the recent tokens."""
         if self.history_slots is None:
             return
-        tok = _pick(tokens, self.history_rows)  # [h]
-        at = self.history_slots * self.vocab + tok  # [h] flat positions in the history's rows
-        counts = self.history.counts.view(-1)
-        counts.index_add_(0, at, self.history_ones)
-        self.history.seen.view(-1).index_fill_(0, at, True)
-        if self.frequency is not None:
-            self.history.penalty.view(-1).index_copy_(0, at, count_penalty(counts[at], self.frequency, self.presence))
-        if self.ban_prefix is not None:
-            recent = self.history.recent[self.history_slots]  # [h, RING]
-            self.history.recent.index_copy_(0, self.history_slots, torch.cat((recent[:, 1:], tok[:, None]), dim=1))
+        self.history.push(self.history_slots, _pick(tokens, self.history_rows), self.history_ones, self.frequency,
+                          self.presence, recent=self.ban_prefix is not None)
 
 
 def process_logits(logits: torch.Tensor, sb: SamplingBatch, index: torch.Tensor,
@@ -641,6 +683,35 @@ def sample_tokens(logits: torch.Tensor, sb: SamplingBatch, index: torch.Tensor,
     return out.index_copy_(0, sb.sampled_rows, drawn)
 
 
+@dataclass(eq=False)
+class SamplingCall:
+    """One `sample_tokens` call made inside a step whose results the caller reads back after it (the verified
+    positions of a speculative step): the batch, its index column and grammar mask, and the log-probability
+    tensors `draw` leaves for the rows that ask, read back by `tokens`."""
+
+    batch: SamplingBatch
+    index: torch.Tensor
+    """[rows] int64."""
+    bitmask: torch.Tensor | None = None
+    """[rows, ceil(vocab / 32)] int32 (see `process_logits`); None: no row is constrained."""
+    logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
+    """`logprob_tensors` of the last `draw`; None when no row asks."""
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [rows, vocab] -> token ids [rows] int64 (`sample_tokens`: no history is written)."""
+        tokens = sample_tokens(logits, self.batch, self.index, self.bitmask)
+        if self.batch.logprob_rows is not None:
+            self.logprobs = logprob_tensors(logits, tokens, self.batch)
+        return tokens
+
+    def tokens(self, token_ids: Sequence[int]) -> list[SampledToken] | None:
+        """The drawn tokens (read back by the caller, one per row) with the log-probabilities of the rows that
+        asked; None when none did."""
+        if self.logprobs is None:
+            return None
+        return with_logprobs(token_ids, self.logprobs[0].tolist(), self.logprobs[1].tolist(), self.batch)
+
+
 def sample_step(logits: torch.Tensor, sb: SamplingBatch, index: torch.Tensor,
                 token_bitmask: torch.Tensor | None = None) -> torch.Tensor:
     """The device part of a step: `sample_tokens`, then the drawn tokens join the rows' token histories (so
@@ -671,17 +742,23 @@ def sample_batch(logits: torch.Tensor, sb: SamplingBatch, index: torch.Tensor,
     tokens_dev = sample_step(logits, sb, index, token_bitmask)
     lp = None
     if sb.logprob_rows is not None:  # queued before the first read, so the device runs it all in one go
-        lp = _logprobs(logits, tokens_dev, sb)
+        lp = logprob_tensors(logits, tokens_dev, sb)
     tokens = tokens_dev.tolist()
+    if lp is None:
+        return [plain_token(t) for t in tokens]
+    return with_logprobs(tokens, lp[0].tolist(), lp[1].tolist(), sb)
+
+
+def with_logprobs(tokens: Sequence[int], values: list[list[float]], ids: list[list[int]], sb: SamplingBatch) -> list[SampledToken]:
+    """Each row's token as a `SampledToken`, with the log-probabilities read back from `logprob_tensors` (as
+    lists) on the rows that asked for them."""
     out = [plain_token(t) for t in tokens]
-    if lp is not None:
-        values, ids = lp[0].tolist(), lp[1].tolist()
-        for j, (i, n) in enumerate(sb.logprob_asks):
-            out[i] = SampledToken(tokens[i], values[j][0], tuple(zip(ids[j][:n], values[j][1 : n + 1])))
+    for j, (i, n) in enumerate(sb.logprob_asks):
+        out[i] = SampledToken(tokens[i], values[j][0], tuple(zip(ids[j][:n], values[j][1 : n + 1])))
     return out
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def logprob_tensors(logits: torch.Tensor, tokens: torch.Tensor, sb: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """For the rows that asked: [w, 1 + width] (the chosen token's log-probability, then the top ones) and
     [w, width] the top ids, of the raw distribution (unprocessed, unfiltered, temperature 1): the contract
     `SampledToken` states."""
