@@ -55,7 +55,7 @@ from core.configs import StepConfig
 from core.parallel import WHOLE
 from decode import speculative as spec
 from model.model import V4Model
-from model.sampling import sample_tokens
+from model.sampling import SamplingCall
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +177,8 @@ class StepRunner:
         self._compiled_spec = None
         self.spec_graphs: dict[tuple[int, int, int], tuple] = {}
         """CUDA: per speculative bucket (rows, blocks, span), its two graphs and their buffers (`_capture_spec`)."""
+        self._spec_spans: list[int] = []
+        """Spans the worker speculates with (`warmup_spec`)."""
         self._spec_warm: set[int] = set()
         """Spans whose speculative step is compiled."""
         self._warm = False
@@ -256,14 +258,16 @@ class StepRunner:
         then warm up, capturing with the peers."""
         comm = self.model.comm
         mine = [int(self.fixed), int(self.use_graphs), self.max_running, len(self.warmup_buckets()),
-                hash(tuple(self.warmup_buckets()))]  # a hash of ints is the same in every process
+                hash(tuple(self.warmup_buckets())), max(self._spec_spans, default=1)]  # a hash of ints: the same everywhere
         every = comm.gather_ints(mine)
         if any(row != every[0] for row in every):
             raise ValueError(f"the ranks of this replica would run their decode steps differently (per rank: fixed-shape, "
-                             f"graphs, max_running, warm-up captures, their hash): {every}; give every rank the same "
-                             f"decode settings")
+                             f"graphs, max_running, warm-up captures, their hash, speculative span): {every}; give every "
+                             f"rank the same decode settings")
         self._joined = True
         self.warmup()
+        if self._spec_spans:
+            self.warmup_spec(self._spec_spans)
 
     def _capture(self, bucket: Bucket) -> None:
         t0 = time.perf_counter()
@@ -477,13 +481,14 @@ class StepRunner:
         return self._compiled_spec
 
     def run_spec(self, request_ids: list[str], tokens: list[list[int]], drafts: list[int], span: int,
-                 before_forward: Callable[[], None] | None = None, sampling=None,
+                 before_forward: Callable[[], None] | None = None, sampling: SamplingCall | None = None,
                  bucket: Bucket | None = None) -> list[list[int]]:
         """One speculative step (`decode.speculative`): each request's `tokens` (the token it decodes from, then its
         drafts), of which it verifies `drafts[r]` (< span) -> per request [span targets, accepted, span - 1 next
-        drafts] (the step's one read back). `sampling`: (a `SamplingBatch` of the view's rows, its index column)
-        for a batch that samples; None: greedy. `bucket`: the (rows, blocks) the replica's ranks agreed on (replica
-        ranks only). The store advances by what each request kept."""
+        drafts] (the step's one read back). `sampling`: the `SamplingCall` of the real requests' rows (span a
+        request, its grammar mask among them; the log-probabilities it asks for are left on it) for a batch that
+        samples, is constrained or processes its logits; None: greedy on the raw logits. `bucket`: the (rows,
+        blocks) the replica's ranks agreed on (replica ranks only). The store advances by what each request kept."""
         n = len(request_ids)
         if bucket is not None:
             view = self.store.spec_view(request_ids, bucket[0], span, num_blocks=bucket[1], tokens=tokens, drafts=drafts)
@@ -529,14 +534,13 @@ class StepRunner:
         logits, streams = spec.verify(self.model, view)
         return spec.finish(self.model, view, self._targets(logits, view, n, sampling), streams, span - 1)
 
-    def _targets(self, logits: torch.Tensor, view, n: int, sampling) -> torch.Tensor:
+    def _targets(self, logits: torch.Tensor, view, n: int, sampling: SamplingCall | None) -> torch.Tensor:
         """The token each verified position draws ([requests, span], padding requests 0): greedy argmax, or the
-        batch's sampler over the n real requests' rows (`sampling`: its `SamplingBatch`, index column)."""
+        batch's sampler over the n real requests' rows (`sampling`: a `SamplingCall`)."""
         span = view.span
         if sampling is None:
             return logits.view(-1, span, logits.shape[-1]).argmax(dim=-1)
-        sb, index = sampling
-        targets = sample_tokens(logits[: n * span], sb, index).view(n, span)
+        targets = sampling.draw(logits[: n * span]).view(n, span)
         rows = view.requests
         return targets if rows == n else torch.cat((targets, targets.new_zeros(rows - n, span)))
 
@@ -609,6 +613,9 @@ class StepRunner:
         """Ahead of the first request, on padding rows: compile the greedy speculative step for each span (CPU), or
         capture the widest span's buckets up to `capture_context_tokens` (CUDA; a narrower span's bucket is captured
         when a step first needs it, while the worker is idle)."""
+        self._spec_spans = list(spans)
+        if self.replica and not self._joined:
+            return  # a replica rank captures with its peers, when it joins them (`join_replica`)
         if self.use_graphs and self.cfg.warmup and spans:
             for rows, blocks in self.warmup_buckets():
                 self._capture_spec((rows, blocks, max(spans)))

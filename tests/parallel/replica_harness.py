@@ -193,8 +193,11 @@ class Arrival:
     solo: bool = False
 
 
-def worker_tier(cfg) -> TierConfig:
-    return dataclasses.replace(tier(cfg), max_running=4, **WORKER_TIER)
+def worker_tier(cfg, spec: int = 0) -> TierConfig:
+    from cachetier.geometry import spec_lru_floor
+
+    t = dataclasses.replace(tier(cfg), max_running=4, speculative_tokens=spec, **WORKER_TIER)
+    return dataclasses.replace(t, hot_buffer_slots=max(t.hot_buffer_slots, spec_lru_floor(cfg, spec)))
 
 
 def worker_prompts(vocab: int, schedule: list[list[Arrival]], seed: int) -> list[list[list[int]]]:
@@ -202,21 +205,23 @@ def worker_prompts(vocab: int, schedule: list[list[Arrival]], seed: int) -> list
     return [[torch.randint(6, vocab, (a.prompt,), generator=g).tolist() for a in group] for group in schedule]
 
 
-def run_workers(model, schedule: list[Arrival], prompts: list[list[int]], step_cfg: StepConfig, join=None) -> dict:
+def run_workers(model, schedule: list[Arrival], prompts: list[list[int]], step_cfg: StepConfig, join=None,
+                spec: int = 0) -> dict:
     """One DP group's schedule through a `DecodeWorker` on `model` (whole, or a rank's shard attached to its
     replica: `join()` then runs on every rank at once, before the first step). Greedy; records each
-    request's tokens (the prefill's first), and the step runner's mode and buckets."""
+    request's tokens (the prefill's first), and the step runner's mode and buckets. `spec`: draft tokens a step
+    (the model then needs its MTP head)."""
     from decode.worker import DecodeRequest, DecodeWorker
 
     cfg = model.cfg
-    store = TieredStore(cfg, worker_tier(cfg), dtype=model.dtype, device=model.device)
+    store = TieredStore(cfg, worker_tier(cfg, spec), dtype=model.dtype, device=model.device)
     worker = DecodeWorker(model, store, max_running=store.tier.max_running, step_config=step_cfg)
     plans = []  # per step: (the bucket this rank's own forwards need, the agreed plan)
     if join is not None:
         agree = worker.runner.agree
 
-        def recording(groups):
-            plan = agree(groups)
+        def recording(groups, *span):
+            plan = agree(groups, *span)
             plans.append((worker.runner.need(groups[:1]), plan))
             return plan
 
@@ -249,13 +254,14 @@ def run_workers(model, schedule: list[Arrival], prompts: list[list[int]], step_c
         return {"tokens": tokens, "mode": runner.mode, "steps_by_bucket": dict(runner.steps_by_bucket), "busy": busy,
                 "idle_forwards": runner.idle_forwards, "steps": worker.steps, "left": len(worker.running) + len(worker.waiting),
                 "plans": [(need, plan.rounds, plan.first, plan.rest, plan.capture) for need, plan in plans],
+                "spans": [plan.span for _, plan in plans], "speculation": worker.stats().get("speculation"),
                 "graphs": sorted(runner.graphs), "uncaptured": runner.eager_steps, "pending": list(runner.pending_captures)}
     finally:
         worker.close()
 
 
 def worker_rank_main(rank: int, layout_text: str, port: int, model_dir: str, out_dir: str, schedule, seed: int,
-                     decode_mode: str | list[str], device_kind: str = "cpu", step_kw: dict | None = None) -> None:
+                     decode_mode: str | list[str], device_kind: str = "cpu", step_kw: dict | None = None, spec: int = 0) -> None:
     """The body of one rank's process for the worker schedule (`torch.multiprocessing.spawn` calls it);
     `decode_mode` per rank when a list; `step_kw`: more `StepConfig` fields."""
     torch.set_num_threads(1)
@@ -265,7 +271,7 @@ def worker_rank_main(rank: int, layout_text: str, port: int, model_dir: str, out
 
     layout, device, comm = open_rank(layout_text, rank, port, device_kind, timeout_s=120)
     try:
-        model = load_model(model_dir, shard=comm.shard, device=device).attach(comm)
+        model = load_model(model_dir, shard=comm.shard, device=device, mtp=spec > 0).attach(comm)
         dp_rank, _ = layout.coords(rank)
         prompts = worker_prompts(model.cfg.vocab_size, schedule, seed)[dp_rank]
 
@@ -274,7 +280,8 @@ def worker_rank_main(rank: int, layout_text: str, port: int, model_dir: str, out
             comm.stats.reset()
 
         mode = decode_mode[rank] if isinstance(decode_mode, list) else decode_mode
-        result = run_workers(model, schedule[dp_rank], prompts, StepConfig(decode_mode=mode, **(step_kw or {})), join=join)
+        result = run_workers(model, schedule[dp_rank], prompts, StepConfig(decode_mode=mode, **(step_kw or {})), join=join,
+                             spec=spec)
         result["stats"] = comm.stats.to_dict()
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
@@ -282,14 +289,14 @@ def worker_rank_main(rank: int, layout_text: str, port: int, model_dir: str, out
 
 
 def run_worker_replica(layout_text: str, model_dir: str, out_dir: str, schedule, seed: int, decode_mode: str | list[str],
-                       device_kind: str = "cpu", step_kw: dict | None = None) -> list[dict]:
+                       device_kind: str = "cpu", step_kw: dict | None = None, spec: int = 0) -> list[dict]:
     import torch.multiprocessing as mp
 
     from model.parallel import free_port
 
     layout = ParallelLayout.parse(layout_text)
     mp.spawn(worker_rank_main, args=(layout_text, free_port(), model_dir, out_dir, schedule, seed, decode_mode, device_kind,
-                                     step_kw), nprocs=layout.world)
+                                     step_kw, spec), nprocs=layout.world)
     return [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(layout.world)]
 
 

@@ -82,6 +82,19 @@ def test_fixed_shape_lockstep_makes_one_process_tokens(tiny_dir, tmp_path, refer
         assert calls["ep_all_gather"] == calls["ep_reduce_scatter"] == cfg.num_layers * (forwards + 1)
 
 
+def test_speculative_lockstep_makes_one_process_tokens(tiny_dir, tmp_path, reference):
+    """Every rank with the MTP head, two drafts a step: the ranks agree on each step's span with its bucket, the rank
+    without work runs the agreed speculative round over padding rows, and the tokens are one process's without
+    speculation."""
+    ranks = run_worker_replica(LAYOUT, str(tiny_dir), str(tmp_path), SCHEDULE, SEED, "auto",
+                               step_kw={"speculative_adaptive": False}, spec=2)
+    _same_tokens(ranks, reference)
+    assert ranks[0]["spans"] == ranks[1]["spans"] and 3 in ranks[0]["spans"], ranks[0]["spans"]
+    assert [plan[1:] for plan in ranks[0]["plans"]] == [plan[1:] for plan in ranks[1]["plans"]]
+    assert all(got["speculation"]["steps"] > 0 for got in ranks)
+    assert any(isinstance(k, tuple) and k[0] == "spec" for k in ranks[0]["steps_by_bucket"])
+
+
 def test_eager_lockstep_makes_one_process_tokens(tiny_dir, tmp_path, reference):
     ranks = run_worker_replica(LAYOUT, str(tiny_dir), str(tmp_path), SCHEDULE, SEED, "eager")
     _same_tokens(ranks, reference)
