@@ -50,6 +50,19 @@ def check_weights(model: str, model_dir: Path, weights: str, kv_format: str) -> 
         raise PreflightError(f"--model {model}: the weights do not fit config.json or a file is damaged: {e}") from None
 
 
+def check_speculation(model: str, model_dir: Path, tier: TierConfig) -> None:
+    """`--speculative-tokens` drafts with the checkpoint's MTP head: refused when config.json says it has none."""
+    if not tier.speculative_tokens:
+        return
+    import json
+
+    raw = json.loads((model_dir / "config.json").read_text())
+    if not raw.get("num_nextn_predict_layers"):
+        raise PreflightError(f"--speculative-tokens {tier.speculative_tokens} drafts with the model's MTP head, and --model "
+                             f"{model} has none (config.json: num_nextn_predict_layers is 0); serve it with "
+                             "--speculative-tokens 0, or add a head with `hisparse train --mtp`")
+
+
 def check_budget(cfg: ModelConfig, tier: TierConfig, dtype) -> None:
     """The device budget holds at least one request of one KV block, in the arena the decode store will build
     (`cachetier.geometry.Geometry`, from the same configs); refused with the smallest budget that does."""
@@ -113,6 +126,7 @@ def check_serve(config: ServeConfig) -> ModelConfig:
         except ValueError as e:
             raise PreflightError(f"{flag} {text}: {e}") from None
     check_budget(cfg, config.tier, decode_dtype(config))
+    check_speculation(config.model, model_dir, config.tier)
     check_weights(config.model, model_dir, config.weights, config.kv_format)
     return cfg
 
@@ -123,5 +137,6 @@ def check_generate(config: ServeConfig, tier: TierConfig) -> ModelConfig:
 
     model_dir, cfg = check_model(config.model, config.kv_format)
     check_budget(cfg, tier, device.serving_dtype(config.dtype, device.current().kind))
+    check_speculation(config.model, model_dir, tier)
     check_weights(config.model, model_dir, config.weights, config.kv_format)
     return cfg

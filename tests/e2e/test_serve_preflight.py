@@ -61,7 +61,12 @@ def models(tiny_dir, tmp_path_factory):
     (notjson / "config.json").write_text("{ not json")
     noconfig = copy("no-config")
     (noconfig / "config.json").unlink()
-    return {"truncated": cut, "wrong": wrong, "notjson": notjson, "noconfig": noconfig, "missing": root / "nowhere"}
+    headless = copy("no-mtp-head")
+    (headless / "mtp.safetensors").unlink()
+    raw = json.loads((headless / "config.json").read_text())
+    (headless / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 0}))
+    return {"truncated": cut, "wrong": wrong, "notjson": notjson, "noconfig": noconfig, "missing": root / "nowhere",
+            "headless": headless}
 
 
 def refuse(env, command: str, *args: str) -> str:
@@ -120,3 +125,11 @@ def test_generate_refuses_a_model_that_cannot_load(env, models, model, words):
 
 def test_generate_refuses_a_device_budget_below_one_request(env):
     assert "smallest budget that holds one" in refuse(env, "generate", "--device-budget", "64KiB")
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_speculation_needs_an_mtp_head_and_a_hot_buffer_for_the_union(env, models, command):
+    line = refuse(env, command, "--model", str(models["headless"]), "--speculative-tokens", "2", "--device-budget", "16MiB")
+    assert "--speculative-tokens 2 drafts with the model's MTP head" in line and "hisparse train --mtp" in line
+    line = refuse(env, command, "--speculative-tokens", "3", "--hot-buffer-slots", "32", "--device-budget", "16MiB")
+    assert "hot_buffer_slots (32) must be at least 64" in line
