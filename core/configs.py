@@ -59,7 +59,8 @@ class TierConfig:
     """Keep C4 entries in the host pool with a per-request hot buffer on the device (`--offload on`);
     off keeps every C4 entry on the device under the same budget."""
     hot_buffer_slots: int | None = None
-    """LRU slots per request and CSA layer for selected C4 entries; default 2 x index_topk."""
+    """LRU slots per request and CSA layer for selected C4 entries; default 2 x index_topk, or (N + 1) x index_topk
+    when that is more (`speculative_tokens` N: each verified position selects its own top-k)."""
     reserved_slots: int = 8
     """Extra hot-buffer slots per request and CSA layer that always hold the newest C4 entries."""
     device_budget_bytes: int = 256 * 2**20

@@ -25,7 +25,7 @@ SERVING_SETS = (
     "serve.queueTimeoutSeconds=12.5", "serve.maxQueuedRequests=77", "serve.prefillTimeoutSeconds=900",
     "serve.handoffTimeoutSeconds=45", "serve.tokenTimeoutSeconds=7.5", "serve.maxRequestRetries=0",
     "serve.subscriberTimeoutSeconds=2.5", "serve.stepHangSeconds=300", "serve.dtype=bfloat16",
-    "serve.prefixCache=off", "serve.prefixCacheHostBytes=512MiB",
+    "serve.prefixCache=off", "serve.prefixCacheHostBytes=512MiB", "serve.speculativeTokens=2",
 )
 
 
@@ -33,6 +33,7 @@ def _assert_serving_values(cfg):
     assert (cfg.model, cfg.server.served_model_name, cfg.dtype) == ("/models/dsv4", "dsv4-chat", "bfloat16")
     t = cfg.tier
     assert (t.offload, t.hot_buffer_slots, t.reserved_slots, t.max_running, t.block_tokens) == (False, 96, 4, 32, 512)
+    assert t.speculative_tokens == 2
     assert (t.device_budget_bytes, t.host_pool_bytes) == (40 * GiB, 2_500_000_000)
     assert cfg.prefill.max_batch_tokens == 4096
     assert (cfg.prefill.prefix_cache.enabled, cfg.prefill.prefix_cache.host_bytes) == (False, 512 * MiB)

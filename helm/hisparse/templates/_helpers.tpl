@@ -205,6 +205,7 @@ Byte sizes go out as integer bytes, which every spelling of `hisparse serve` acc
 {{- $a = concat $a (list "--hot-buffer-slots" (include "hisparse.int" $s.hotBufferSlots)) -}}
 {{- end -}}
 {{- $a = concat $a (list "--reserved-slots" (include "hisparse.int" $s.reservedSlots)) -}}
+{{- $a = concat $a (list "--speculative-tokens" (include "hisparse.int" $s.speculativeTokens)) -}}
 {{- $a = concat $a (list "--device-budget" (include "hisparse.bytes" $s.deviceBudget)) -}}
 {{- if not (kindIs "invalid" $s.hostPoolBytes) -}}
 {{- $a = concat $a (list "--host-pool-bytes" (include "hisparse.bytes" $s.hostPoolBytes)) -}}
