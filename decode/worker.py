@@ -45,7 +45,7 @@ from decode.speculative import DraftPolicy, check_speculation
 from model.grammar import GrammarEngine, GrammarMasks, GrammarState
 from model.model import V4Model
 from model.parallel import ReplicaBroken
-from model.sampling import SamplingBatch, TokenHistory, greedy_tokens, index_column, sample_batch
+from model.sampling import SamplingBatch, SamplingCall, TokenHistory, greedy_tokens, index_column, sample_batch
 
 log = logging.getLogger(__name__)
 
@@ -190,12 +190,15 @@ class _Group:
         self.index: torch.Tensor | None = None
         """`num_generated` on the device (the index of the token each row generates), advanced beside it."""
         self.drafts = [r.drafts for r in runs]
-        self.speculates = self.grammars is None and all(p.logprobs is None and not p.needs_history for p in self.params)
-        """Whether its steps may speculate: every verified position is sampled exactly as spec-off would sample it,
-        which needs no token history (penalties), grammar or log-probabilities here; a group with any of those
-        takes plain steps (its output is the same either way)."""
+        self.speculates = True
+        """Whether its steps may speculate: every verified position is sampled exactly as spec-off would sample it
+        after the inputs before it, for every kind of request: a grammar's mask and a token history (penalties,
+        bad words) are those after the position's drafts (`DecodeWorker._spec_inputs`), and log-probabilities
+        are the kept positions' raw distributions."""
         self.spec_sampling: dict[int, SamplingBatch] = {}
-        """Per span, the rows' sampling parameters repeated for each verified position (sampled batches)."""
+        """Per span, the rows' sampling parameters repeated for each verified position (sampled, constrained or
+        processed batches); a row with a token history reads it at position j > 0 from its scratch row
+        (`DecodeWorker._spec_slots`)."""
         self.mtp_stale = True
         """The last step of these rows was not speculative (or there was none here): their MTP rings lack entries."""
 
@@ -394,7 +397,8 @@ class DecodeWorker:
         slot = -1
         if req.sampling.needs_history:
             if self.history is None:
-                self.history = TokenHistory(self.max_running, self.model.cfg.vocab_size, self.model.device)
+                self.history = TokenHistory(self.max_running, self.model.cfg.vocab_size, self.model.device,
+                                            scratch=self.max_running * self.spec_tokens)
             slot = self.history.take(req.sampling, *req.tokens_so_far())
         self._running_changed()
         self.running[req.request_id] = _Running(req, req.first_token.token_id, req.num_generated, slot, state)
@@ -403,7 +407,7 @@ class DecodeWorker:
         if self.grammar is None:
             raise ValueError("this decode worker has no grammar engine (its model has no tokenizer)")
         if self.masks is None:
-            self.masks = GrammarMasks(self.max_running, self.grammar.words, self.model.device)
+            self.masks = GrammarMasks(self.max_running * (self.spec_tokens + 1), self.grammar.words, self.model.device)
         sp = req.sampling
         return self.grammar.state(req.attempt.request.structure, req.tokens_so_far()[1], sp.stop_token_ids)
 
@@ -559,24 +563,22 @@ class DecodeWorker:
                      agreed: tuple[int, int] | None = None) -> StepTokens:
         """One speculative step over a group (`decode.speculative`): every row verifies up to `n` drafts and keeps
         1 to n + 1 tokens, the same tokens a plain step would give one by one. Returns them in order, a row's
-        tokens side by side; a row that ends (stop token, length) keeps nothing after its last token."""
+        tokens side by side; a row that ends (stop token, length, its grammar's end) keeps nothing after its last
+        token. The kept tokens join the rows' matchers and token histories here, after the step."""
         span = n + 1
         if g.mtp_stale:  # rows whose rings missed steps: the entries before their next position are not theirs
             self.store.restart_mtp(g.ids)
             g.mtp_stale = False
         remaining = (g.max_tokens - g.num_generated).tolist()
         verify = [max(0, min(n, len(d), left - 1)) for d, left in zip(g.drafts, remaining)]
-        inputs = [[t, *d[:k]] for t, d, k in zip(g.tokens, g.drafts, verify)]
         sampling = None
         t0 = time.perf_counter()
         try:
-            if not all(p.greedy and p.plain for p in g.params):
-                sb = g.spec_sampling.get(span)
-                if sb is None:
-                    sb = g.spec_sampling[span] = SamplingBatch.build(
-                        [p for p in g.params for _ in range(span)], [s for s in g.seeds for _ in range(span)],
-                        self.model.device, self.model.cfg.vocab_size, eos_ids=self.eos_ids)
-                sampling = (sb, index_column([c + j for c in g.num_generated.tolist() for j in range(span)], self.model.device))
+            if not g.plain:
+                sampling, verify = self._spec_inputs(g, span, verify)
+            inputs = [[t, *d[:k]] for t, d, k in zip(g.tokens, g.drafts, verify)]
+            if sampling is not None and self.history is not None:
+                self._spec_history(g, inputs)
             rows = self.runner.run_spec(g.ids, inputs, verify, span, launch, sampling, agreed)
         except Exception as e:
             if self.lockstep:
@@ -589,31 +591,89 @@ class DecodeWorker:
             return StepTokens([], [], [])
         kept_counts = [row[span] for row in rows]
         self.policy.record(bucket, n, time.perf_counter() - t0, verify, kept_counts)
+        drawn = sampling.tokens([t for row in rows for t in row[:span]]) if sampling is not None else None
         ids, index, tokens, reasons = [], [], [], {}
+        sampled = [] if drawn is not None else None
+        kept_slots, kept_params, kept_tokens = [], [], []
         for r, row in enumerate(rows):
             before = int(g.num_generated[r])
+            state = g.grammars[r] if g.grammars is not None else None
             out = []
             reason = None
             for t in row[: row[span] + 1]:
                 out.append(t)
+                if state is not None:
+                    state.accept(t)
                 reason = finish_reason(t, before + len(out), g.params[r], self.eos_ids)
+                if reason is None and state is not None and state.done:  # its grammar took its last token
+                    reason = "stop"
                 if reason is not None:
                     break
             ids.extend([g.ids[r]] * len(out))
             index.extend(range(before, before + len(out)))
             tokens.extend(out)
+            if sampled is not None:
+                sampled.extend(drawn[r * span : r * span + len(out)])
+            if g.slots[r] >= 0:
+                kept_slots.append(g.slots[r])
+                kept_params.append(g.params[r])
+                kept_tokens.append(out)
             if reason is not None:
                 reasons[len(tokens) - 1] = reason
                 ended.append(g.ids[r])
             g.tokens[r] = out[-1]
             g.num_generated[r] = before + len(out)
             g.drafts[r] = row[span + 1 :]
+        if kept_slots:
+            self.history.extend(kept_slots, kept_params, kept_tokens)
         if g.index is not None:
             g.index = index_column(g.num_generated.tolist(), g.index.device)
         self.spec_steps += 1
         self.spec_rows += len(rows)
         self.spec_kept += sum(kept_counts) + len(rows)
-        return StepTokens(ids, index, tokens, None, reasons)
+        return StepTokens(ids, index, tokens, sampled, reasons)
+
+    def _spec_inputs(self, g: _Group, span: int, verify: list[int]) -> tuple[SamplingCall, list[int]]:
+        """The sampling call of a speculative step that does more than take the argmax of raw logits: the rows'
+        parameters once per verified position (position j of row r at r * span + j, as the view lays them out),
+        their token indices, and the grammar masks after each position's drafts, which may verify fewer drafts
+        than `verify` (`GrammarMasks.fill_spec`) -> (the call, the drafts each row verifies)."""
+        device = self.model.device
+        sb = g.spec_sampling.get(span)
+        if sb is None:
+            sb = g.spec_sampling[span] = SamplingBatch.build(
+                [p for p in g.params for _ in range(span)], [s for s in g.seeds for _ in range(span)], device,
+                self.model.cfg.vocab_size, eos_ids=self.eos_ids, history=self.history, slots=self._spec_slots(g, span))
+        mask = None
+        if g.grammars is not None:
+            mask, verify = self.masks.fill_spec(g.grammars, [d[:k] for d, k in zip(g.drafts, verify)], span)
+        index = index_column([c + j for c in g.num_generated.tolist() for j in range(span)], device)
+        return SamplingCall(sb, index, mask), verify
+
+    def _spec_slots(self, g: _Group, span: int) -> list[int]:
+        """The token-history slot each verified position reads (r * span + j): position 0 the row's own, position
+        j > 0 the row's j-th scratch row, holding its history plus its first j drafts (`_spec_history`); -1 for
+        a row that keeps none."""
+        h = self.history
+        return [s if j == 0 or s < 0 else h.scratch_slot(r * self.spec_tokens + j - 1)
+                for r, s in enumerate(g.slots) for j in range(span)]
+
+    def _spec_history(self, g: _Group, inputs: list[list[int]]) -> None:
+        """Between steps: each history row's scratch rows for the positions it verifies, as its history followed by
+        the drafts before each position (so the penalties and bad words of position j see what spec-off would
+        have recorded by then). The row's own history is left alone: the kept tokens join it after the step."""
+        dst, src, params, drafts = [], [], [], []
+        for r, (slot, row) in enumerate(zip(g.slots, inputs)):
+            if slot < 0:
+                continue
+            for j in range(1, len(row)):
+                dst.append(self.history.scratch_slot(r * self.spec_tokens + j - 1))
+                src.append(slot)
+                params.append(g.params[r])
+                drafts.append(row[1 : j + 1])
+        if dst:
+            self.history.copy_rows(dst, src)
+            self.history.extend(dst, params, drafts)
 
     def _inject_faults(self, faults: set[str]) -> None:
         if "hang" in faults:

@@ -6,8 +6,9 @@ graph). Every event (request, token index, token, finish reason) must be the sam
 sampler's counter-based noise keyed by (seed, token index), and the speculative step accepts a draft only where it
 equals what the target sampler draws there, so a seeded request gives the same tokens with speculation on or off;
 a chi-square test on a small vocabulary (six allowed tokens) checks the speculative positions' tokens against the
-model's own distribution. Requests the speculative step does not cover (penalties, log-probabilities, grammars)
-take plain steps, with the same output. The adaptive draft count and the refusals are checked here too.
+model's own distribution. Constrained requests (each position under the matcher's mask after its drafts), penalised
+ones and bad words of several tokens (each position's history with its drafts) and log-probability requests
+speculate too, with spec-off's output. The adaptive draft count and the refusals are checked here too.
 """
 
 from __future__ import annotations
@@ -84,14 +85,15 @@ def test_sampled_tokens_are_spec_offs(spec_model, prompts):
     assert stats["speculation"]["steps"] > 0
 
 
-def test_requests_it_does_not_cover_take_plain_steps(spec_model, prompts):
-    """Penalties read the token history and log-probabilities are per token: such a batch takes plain steps."""
+def test_penalty_and_logprob_rows_speculate_beside_plain_ones(spec_model, prompts):
+    """A penalised row (it reads its token history) and a log-probability row beside greedy ones: the whole batch
+    speculates (no request sends its group to plain steps any more) and gives spec-off's tokens."""
     params = [SamplingParams(max_tokens=16, temperature=0.8, frequency_penalty=0.5),
               SamplingParams(max_tokens=16, logprobs=2)] + [SamplingParams(max_tokens=16)] * 2
     off, _ = _run(spec_model, prompts, params, 0)
     on, stats = _run(spec_model, prompts, params, N)
     assert on == off
-    assert stats["speculation"]["steps"] == 0
+    assert stats["speculation"]["steps"] > 0
 
 
 def test_the_compiled_speculative_step_gives_the_same_tokens(spec_model, prompts):
@@ -193,3 +195,135 @@ def test_a_hot_buffer_too_small_for_the_union_is_refused(tiny_model):
         TieredStore(tiny_model.cfg, TierConfig(speculative_tokens=2, hot_buffer_slots=2 * k, device_budget_bytes=16 << 20))
     store = TieredStore(tiny_model.cfg, TierConfig(speculative_tokens=2, device_budget_bytes=16 << 20))
     assert store.geo.lru == 3 * k and store.geo.mtp_slots == tiny_model.cfg.sliding_window + 2
+
+
+# --- constrained, penalised and log-probability requests speculate too ------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                           "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                                           "sunny": {"type": "boolean"}},
+          "required": ["city", "days", "sunny"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def spec_tok(tiny_dir):
+    from model.tokenizer import load_tokenizer
+
+    return load_tokenizer(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def spec_grammar(spec_tok, spec_model):
+    from model.grammar import GrammarEngine
+
+    return GrammarEngine(spec_tok, spec_model.cfg.vocab_size, spec_model.cfg.eos_token_ids)
+
+
+def _events(model, asks, n, grammar=None, max_running=16):
+    """Decode `asks` (prompt, params, seed, structure or None) to the end through one worker drafting `n` tokens;
+    the first token is drawn as prefill draws it (under the request's grammar) -> (the first tokens, every
+    TokenEvent sorted by request and index, the worker's stats)."""
+    from core.request import Attempt, Request
+    from model.grammar import GrammarMasks
+    from model.sampling import sample
+
+    tier = TierConfig(offload=True, speculative_tokens=n, device_budget_bytes=64 << 20, reserved_slots=2)
+    w = DecodeWorker(model, TieredStore(model.cfg, tier, dtype=model.dtype), max_running=max_running, grammar=grammar,
+                     step_config=StepConfig(decode_mode="eager", speculative_adaptive=False))
+    firsts = {}
+    with torch.inference_mode():
+        for i, (prompt, sp, seed, structure) in enumerate(asks):
+            logits, lay = model.prefill(prompt, last_only=True)
+            mask = None
+            if structure is not None:
+                mask = GrammarMasks(1, grammar.words, "cpu").fill([grammar.state(structure)])
+            first = sample(logits[-1:], [sp], [seed], [0], model.cfg.eos_token_ids, [(prompt, ())], mask)[0]
+            key = f"r{i}"
+            firsts[key] = first.token_id
+            request = Request(key, tuple(prompt), sp, seed, prompt_len=lay.num_tokens, structure=structure)
+            w.submit(DecodeRequest(Attempt(request, key), first, 1, layout=lay))
+    events = []
+    while w.has_work():
+        events.extend(w.step())
+    w.check_integrity()
+    return firsts, sorted(events, key=lambda e: (e.request_id, e.index)), w.stats()
+
+
+def _ids(events):
+    return [(e.request_id, e.index, e.token.token_id, e.finish_reason) for e in events]
+
+
+def test_structured_outputs_speculate_with_spec_offs_tokens(spec_model, spec_tok, spec_grammar):
+    """Greedy JSON-schema requests beside a free one: each verified position is sampled under the matcher's mask
+    after the drafts before it, so the tokens are spec-off's (a mask only at position 0 lets a draft the grammar
+    forbids be kept), every constrained reply parses, validates and ends on its grammar."""
+    import json
+
+    import jsonschema
+
+    from core.structure import Structure
+
+    structure = Structure("json_schema", json.dumps(SCHEMA))
+    texts = ["The weather report as JSON: ", "Report 1: ", "Tomorrow, as JSON: "]
+    asks = [(spec_tok.encode(t), SamplingParams(max_tokens=120), 0, structure) for t in texts]
+    asks.append((spec_tok.encode("Free text: "), SamplingParams(max_tokens=30), 0, None))
+    first_off, off, _ = _events(spec_model, asks, 0, spec_grammar)
+    first_on, on, stats = _events(spec_model, asks, N, spec_grammar)
+    assert _ids(on) == _ids(off) and first_on == first_off
+    spec = stats["speculation"]
+    assert spec["steps"] > 0 and spec["acceptance_length"] > 1.0, spec
+    for i in range(len(texts)):
+        mine = [e for e in on if e.request_id == f"r{i}"]
+        assert mine[-1].finish_reason == "stop"
+        text = spec_tok.decode([first_on[f"r{i}"]] + [e.token.token_id for e in mine])
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_penalties_and_multi_token_bad_words_speculate_with_spec_offs_tokens(spec_model, prompts):
+    """Sampled and greedy requests with frequency, presence and repetition penalties and two-token bad words: position
+    j of a verified row reads a scratch history holding the request's tokens plus its first j drafts, and only the
+    kept tokens join the request's own row, so every draw is spec-off's. The bad words are pairs spec-off writes
+    without the ban, so the bans do work here (and hold: no pair appears with them)."""
+    def params(bad=()):
+        return [SamplingParams(max_tokens=30, temperature=0.5, frequency_penalty=0.5, presence_penalty=0.5, bad_words_token_ids=bad),
+                SamplingParams(max_tokens=26, temperature=0.6, repetition_penalty=1.3, top_k=50, bad_words_token_ids=bad),
+                SamplingParams(max_tokens=24, frequency_penalty=1.0, repetition_penalty=1.2, bad_words_token_ids=bad),
+                SamplingParams(max_tokens=28, temperature=0.7)]
+
+    def pairs(events):
+        by = {}
+        for e in events:
+            if e.request_id != "r3":  # the row without bad words
+                by.setdefault(e.request_id, []).append(e.token.token_id)
+        return [(a, b) for toks in by.values() for a, b in zip(toks, toks[1:])]
+
+    asks = lambda ps: [(p, sp, 200 + i, None) for i, (p, sp) in enumerate(zip(prompts, ps))]  # noqa: E731
+    _, free, _ = _events(spec_model, asks(params()), 0)
+    words = tuple(sorted(set(pairs(free)), key=lambda w: (-pairs(free).count(w), w))[:3])
+    off_firsts, off, _ = _events(spec_model, asks(params(words)), 0)
+    on_firsts, on, stats = _events(spec_model, asks(params(words)), N)
+    assert _ids(on) == _ids(off) and on_firsts == off_firsts
+    assert _ids(off) != _ids(free)  # the bans changed what was drawn
+    assert not set(words) & set(pairs(on))
+    assert stats["speculation"]["steps"] > 0 and stats["speculation"]["acceptance_length"] > 1.0, stats["speculation"]
+
+
+def test_logprob_requests_speculate_with_spec_offs_tokens_and_scores(spec_model, prompts):
+    """Log-probabilities come from the raw distribution at each kept position, as a plain step gives them: the
+    same tokens, the same top ids, the same scores (to float32 rounding between a one-position forward and a
+    verify forward)."""
+    ps = [SamplingParams(max_tokens=20, logprobs=3), SamplingParams(max_tokens=18, temperature=0.8, logprobs=1),
+          SamplingParams(max_tokens=22), SamplingParams(max_tokens=16, temperature=0.9, frequency_penalty=0.5, logprobs=2)]
+    asks = [(p, sp, 300 + i, None) for i, (p, sp) in enumerate(zip(prompts, ps))]
+    _, off, _ = _events(spec_model, asks, 0)
+    _, on, stats = _events(spec_model, asks, N)
+    assert _ids(on) == _ids(off)
+    assert stats["speculation"]["steps"] > 0 and stats["speculation"]["acceptance_length"] > 1.0, stats["speculation"]
+    for a, b in zip(on, off):
+        asked = ps[int(a.request_id[1:])].logprobs
+        if asked is None:
+            assert a.token.logprob is None and b.token.logprob is None
+            continue
+        assert a.token.logprob == pytest.approx(b.token.logprob, abs=1e-4)
+        assert [i for i, _ in a.token.top_logprobs] == [i for i, _ in b.token.top_logprobs] and len(a.token.top_logprobs) == asked
+        assert [v for _, v in a.token.top_logprobs] == pytest.approx([v for _, v in b.token.top_logprobs], abs=1e-4)
