@@ -34,6 +34,9 @@ an H200 (estimates: nothing has run there yet; each one's timeout, larger, is in
 - `engine` (<= 60 s): `InProcessEngine` on CUDA, 8 requests with prompt log-probabilities and two seeded
   sampled ones (the same tokens over two runs and alone vs in the batch);
 - `generate` (<= 60 s): `python -m hisparse.cli generate --json` says it ran on CUDA in bf16;
+- `speculative` (<= 90 s): `bench.gpu_check_speculative`, the built-in model with its MTP head in fp32 and bf16, tier
+  on: speculation off (eager) against three drafts through the speculative CUDA graphs, greedy and seeded sampled
+  (tokens, where they first differ, acceptance length, graphs, seconds);
 - `packed_weights` (<= 120 s): `bench.gpu_check_weights` (FP8 / FP4 kernels, the real-format checkpoint,
   TFLOP/s at V4-Flash shapes for M in 1, 64, 1024, the Inductor compile last).
 The checks import only what the lent machine has (torch, triton, numpy, safetensors, tokenizers,
@@ -90,6 +93,7 @@ CHECKS = (
     Check("capture_guard", "bench.gpu_check_decode:capture_guard_check", 120, about="the capture guard on the device"),
     Check("engine", "bench.gpu_check_serving:engine", 120, about="InProcessEngine: logprobs, seeded sampling"),
     Check("generate", "bench.gpu_check_generate:generate", 120, about="hisparse generate --json on the GPU"),
+    Check("speculative", "bench.gpu_check_speculative:speculative", 150, about="speculative decoding, CUDA graphs"),
     Check("packed_weights", "bench.gpu_check_weights:packed_weights", 180, cpu_debug=False, about="FP8/FP4 kernels"),
     # the runner's own tests: each status a check can end in
     Check("_pass", "bench.gpu_check_selftest:passes", 30, needs_cuda=False, hidden=True),
