@@ -162,7 +162,7 @@ class _Group:
     columns, not its `_Running` objects, hold each request's last token and count (`sync` writes them back)."""
 
     __slots__ = ("ids", "runs", "params", "seeds", "slots", "tokens", "num_generated", "max_tokens", "stops", "plain",
-                 "faults", "sampling", "index", "grammars", "drafts", "speculates", "spec_sampling", "mtp_stale")
+                 "faults", "sampling", "index", "grammars", "drafts", "speculates", "spec_sampling")
 
     def __init__(self, ids: list[str], runs: list[_Running], eos_ids: tuple[int, ...]) -> None:
         self.ids, self.runs = ids, runs
@@ -199,8 +199,6 @@ class _Group:
         """Per span, the rows' sampling parameters repeated for each verified position (sampled, constrained or
         processed batches); a row with a token history reads it at position j > 0 from its scratch row
         (`DecodeWorker._spec_slots`)."""
-        self.mtp_stale = True
-        """The last step of these rows was not speculative (or there was none here): their MTP rings lack entries."""
 
     def sync(self) -> None:
         for run, tok, n, d in zip(self.runs, self.tokens, self.num_generated.tolist(), self.drafts):
@@ -504,8 +502,7 @@ class DecodeWorker:
             n = self.policy.choose(spec_bucket) if span is None else span - 1  # a replica's ranks agreed on theirs
             if n > 0:
                 return self._decode_spec(g, ended, n, launch, spec_bucket, bucket)
-            g.mtp_stale = True
-            g.drafts = [[] for _ in g.ids]
+            g.drafts = [[] for _ in g.ids]  # a plain step writes no MTP entries: these rings restart at the next one
         t0 = time.perf_counter()
         try:
             logits = self.runner.run(g.ids, g.tokens, launch, bucket)
@@ -566,9 +563,11 @@ class DecodeWorker:
         tokens side by side; a row that ends (stop token, length, its grammar's end) keeps nothing after its last
         token. The kept tokens join the rows' matchers and token histories here, after the step."""
         span = n + 1
-        if g.mtp_stale:  # rows whose rings missed steps: the entries before their next position are not theirs
-            self.store.restart_mtp(g.ids)
-            g.mtp_stale = False
+        # A row without drafts just arrived (its ring starts at its first decode position already) or took plain
+        # steps, which write no MTP entries: its ring holds nothing of the positions since, so it restarts here.
+        stale = [rid for rid, d in zip(g.ids, g.drafts) if not d]
+        if stale:
+            self.store.restart_mtp(stale)
         remaining = (g.max_tokens - g.num_generated).tolist()
         verify = [max(0, min(n, len(d), left - 1)) for d, left in zip(g.drafts, remaining)]
         sampling = None
