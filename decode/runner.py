@@ -474,6 +474,14 @@ class StepRunner:
             return 0
         return n
 
+    @property
+    def spec_counts(self) -> list[int]:
+        """The draft counts a step may choose: every one up to `spec_tokens`, except in a compiled CPU step, which
+        holds a graph per count and whose every graph takes minutes to compile from an empty Inductor cache (0 and
+        the most there: the plain step and one speculative graph)."""
+        n = self.spec_tokens
+        return [0, n] if self.compiled and n else list(range(n + 1))
+
     def _spec_compiled(self):
         if self._compiled_spec is None:
             self._compiled_spec = torch.compile(_own_copy(_spec_greedy), fullgraph=True, dynamic=None, backend=self._backend,

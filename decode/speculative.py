@@ -134,8 +134,10 @@ class DraftPolicy:
     `adaptive` off the policy always drafts `max_tokens`."""
 
     def __init__(self, max_tokens: int, adaptive: bool = True, probe: int = 3, explore_every: int = 50,
-                 decay: float = 0.9) -> None:
+                 decay: float = 0.9, counts: list[int] | None = None) -> None:
         self.max_tokens, self.adaptive = max_tokens, adaptive
+        self.counts = sorted(set(counts if counts is not None else range(max_tokens + 1)), reverse=True)
+        """The draft counts it chooses among (a compiled CPU step holds one graph per count: `StepRunner.spec_counts`)."""
         self.probe, self.explore_every, self.decay = probe, explore_every, decay
         self.reached = [1.0] * (max_tokens + 1)  # decayed counts per draft position k (index 1..N)
         self.kept = [0.7] * (max_tokens + 1)
@@ -161,7 +163,7 @@ class DraftPolicy:
         if not self.adaptive or self.max_tokens == 0:
             n = self.max_tokens
         else:
-            counts = range(self.max_tokens, -1, -1)
+            counts = self.counts
             unmeasured = [n for n in counts if self.tries.get((bucket, n), 0) < self.probe]
             if unmeasured:
                 n = unmeasured[0]

@@ -226,11 +226,14 @@ class DecodeWorker:
         check_speculation(model, store, self.runner)
         self.spec_tokens = self.runner.spec_tokens if self.runner is not None else 0
         """The most draft tokens a step verifies per request (0: no speculation; `decode.speculative`)."""
-        self.policy = DraftPolicy(self.spec_tokens, (step_config or StepConfig()).speculative_adaptive) if self.spec_tokens else None
+        self.policy = None
+        if self.spec_tokens:
+            self.policy = DraftPolicy(self.spec_tokens, (step_config or StepConfig()).speculative_adaptive,
+                                      counts=self.runner.spec_counts)
         if self.runner is not None:
             self.runner.warmup()
             if self.spec_tokens:
-                self.runner.warmup_spec(list(range(2, self.spec_tokens + 2)))
+                self.runner.warmup_spec([n + 1 for n in self.runner.spec_counts if n])
         self.spec_steps = 0
         self.spec_rows = 0
         """Request-steps that speculated; with `spec_kept`, the acceptance length (tokens kept per request-step)."""
