@@ -291,10 +291,9 @@ def test_speculative_step_holds_nothing_a_graph_cannot(fake, offload, sampled):
     """The whole speculative step (verify over SPAN positions per request, accept, commit, the MTP head's drafts)
     as a worker captures it for a greedy batch, and as it runs it for a sampled one (the sampler between the
     verify forward and the rest): two requests verifying 2 and 1 drafts beside two padding rows."""
+    from core.types import SamplingParams
     from decode import speculative as spec
     from model.sampling import SamplingBatch, index_column, sample_tokens
-
-    from core.types import SamplingParams
 
     if "spec" not in _REAL:
         m = build_empty(_config("bf16"), torch.float32, mtp=True)
