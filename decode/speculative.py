@@ -130,7 +130,8 @@ class DraftPolicy:
     Expected tokens of a step with n drafts: 1 + sum over k <= n of the product of alpha_1..alpha_k, alpha_k being
     the measured chance that draft k is kept given that the ones before it were. Each candidate count is first
     tried `probe` times per batch bucket (so an unmeasured count is never assumed cheap); afterwards one step in
-    `explore_every` re-measures the count tried longest ago, so a choice follows a change of load or text. With
+    `explore_every` re-measures the count tried longest ago among those that could pay (`could_pay`), so a choice
+    follows a change of load or text while a count slower than its best case is never run again. With
     `adaptive` off the policy always drafts `max_tokens`."""
 
     def __init__(self, max_tokens: int, adaptive: bool = True, probe: int = 3, explore_every: int = 50,
@@ -168,12 +169,19 @@ class DraftPolicy:
             if unmeasured:
                 n = unmeasured[0]
             elif self.steps % self.explore_every == 0:
-                n = min(counts, key=lambda c: self.last_tried.get((bucket, c), 0))
+                n = min(self.could_pay(bucket), key=lambda c: self.last_tried.get((bucket, c), 0))
             else:
                 n = max(counts, key=lambda c: self.expected_tokens(c) / self.cost[(bucket, c)])
         per = self.choices.setdefault(bucket, {})
         per[n] = per.get(n, 0) + 1
         return n
+
+    def could_pay(self, bucket: int) -> list[int]:
+        """The counts worth re-measuring: those whose step costs less than (n + 1) plain steps, the most it could
+        keep. A count that costs more never pays whatever the acceptance, so it is not tried again: past the
+        probes, speculation that does not pay costs nothing."""
+        plain = self.cost.get((bucket, 0))
+        return [n for n in self.counts if n == 0 or plain is None or self.cost[(bucket, n)] < (n + 1) * plain]
 
     def record(self, bucket: int, n: int, seconds: float, verified: list[int] | None = None,
                accepted: list[int] | None = None) -> None:

@@ -176,6 +176,12 @@ def test_the_policy_drafts_when_it_pays_and_stops_when_it_does_not():
     assert settle(lambda n: 1.0 + 0.05 * n, 0.9) == 3
     # a compute-bound step (high batch): the cost grows with the positions verified faster than the tokens kept
     assert settle(lambda n: 1.0 + 1.0 * n, 0.5) == 0
+    # a speculative step that costs more than N + 1 plain ones never pays: past its probes it is never run again
+    p = DraftPolicy(3, adaptive=True, probe=2, explore_every=5, counts=[0, 3])
+    for _ in range(200):
+        n = p.choose(1)
+        p.record(1, n, 60.0 if n else 1.0, [n] if n else None, [n] if n else None)
+    assert p.choices[1][3] == 2 and p.could_pay(1) == [0]
     p = DraftPolicy(3, adaptive=False)
     assert {p.choose(4) for _ in range(10)} == {3}
 
