@@ -255,8 +255,11 @@ def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int,
             "adaptive_draft_choices": _choices_since(before, workers["on_adaptive"].policy.choices),
         }
     for name, w in workers.items():
+        st = w.stats()
+        # steps that left the compiled step for the eager one (a bucket it did not cover): 0 means every timed step was compiled
+        out["workers"][name]["eager_steps"] = st["step"].eager_steps
         if name != "off":
-            out["workers"][name]["acceptance_length"] = w.stats()["speculation"]["acceptance_length"]
+            out["workers"][name]["acceptance_length"] = st["speculation"]["acceptance_length"]
         w.close()
     out["identical_to_off"] = identical
     return out

@@ -55,6 +55,8 @@ def test_acceptance_agrees_with_the_worker(result):
 def test_throughput_rows(result):
     th = result["throughput"]
     assert set(th["by_batch"]) == {"1", "2"}
+    assert set(th["workers"]) == {"off", "on_n3", "on_adaptive"}
+    assert all(w["eager_steps"] == 0 for w in th["workers"].values())
     for row in th["by_batch"].values():
         for key in ("off", "on_n3", "on_adaptive"):
             assert row[f"tokens_per_s_{key}"] > 0
