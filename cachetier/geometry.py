@@ -125,6 +125,9 @@ class Geometry:
         floor = spec_lru_floor(cfg, self.spec_tokens)
         self.lru = tier.hot_buffer_slots if tier.hot_buffer_slots is not None else max(2 * cfg.index_topk, floor)
         if self.offload and n_csa and self.lru < floor:
+            if not self.spec_tokens:
+                raise ValueError(f"hot_buffer_slots ({self.lru}) must be at least index_topk ({cfg.index_topk}): "
+                                 "a step's selection has to fit in the hot buffer")
             raise ValueError(f"hot_buffer_slots ({self.lru}) must be at least {floor}: a step's selection has to fit in "
                              f"the hot buffer, and a step that verifies {self.spec_tokens + 1} positions selects "
                              f"index_topk ({cfg.index_topk}) entries for each of them")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from cachetier.batch import Segment, entry_counts
@@ -55,7 +56,7 @@ class SpecBatch(TieredBatch):
         self.offsets, self.mtp_floor = self._meta.unbind(0)[3:5]
         self._j = torch.arange(requests * span, device=self._meta.device) % span
         self._r = torch.arange(requests * span, device=self._meta.device) // span
-        self._j_np = (torch.arange(requests * span) % span).numpy().reshape(requests, span)
+        self._j_np = (np.arange(requests * span) % span).reshape(requests, span)
         self._pend: dict = {}
         self.targets = torch.zeros(requests, span, dtype=torch.long, device=self._meta.device)
         """[requests, span] the tokens the verified positions drew: what the step's second half reads (a buffer, so a
@@ -90,10 +91,10 @@ class SpecBatch(TieredBatch):
         if any(not 0 <= x < S for x in d):
             raise ValueError(f"drafts per request must be in [0, {S - 1}], got {d}")
         j = self._j_np[:n]
-        verified = j <= torch.tensor(d, dtype=torch.long).numpy()[:, None]
-        base = torch.tensor(list(map(num_tokens_of, residents)), dtype=torch.long).numpy()[:, None]
+        verified = j <= np.array(d, dtype=np.int64).reshape(-1, 1)
+        base = np.array(list(map(num_tokens_of, residents)), dtype=np.int64).reshape(-1, 1)
         meta[0, :n] = (base + j) * verified
-        meta[1, :n] = torch.tensor(list(map(group_of, residents)), dtype=torch.long).numpy()[:, None]
+        meta[1, :n] = np.array(list(map(group_of, residents)), dtype=np.int64).reshape(-1, 1)
         meta[1, :n][~verified] = g.scratch_group
         if tokens is not None:
             for r, toks in enumerate(tokens):
@@ -102,7 +103,7 @@ class SpecBatch(TieredBatch):
         else:
             meta[2, :n] = 0
         meta[3, :n] = j * verified + NOT_VERIFIED * ~verified
-        meta[4, :n] = torch.tensor([getattr(r, "mtp_floor", 0) for r in residents], dtype=torch.long).numpy()[:, None]
+        meta[4, :n] = np.array([r.mtp_floor for r in residents], dtype=np.int64).reshape(-1, 1)
         meta[0, n:], meta[1, n:], meta[2, n:], meta[3, n:], meta[4, n:] = 0, g.scratch_group, 0, NOT_VERIFIED, 0
         key = tuple(map(id, residents))
         self.residents = list(residents)
