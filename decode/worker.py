@@ -524,15 +524,7 @@ class DecodeWorker:
                     if state is not None:
                         state.accept(t)
         except Exception as e:
-            if self.lockstep:
-                raise ReplicaBroken(f"a decode step failed on a replica rank: {type(e).__name__}: {e}") from e
-            # The step may have written part of these requests' state: drop them all, each to be prefilled again.
-            self.failed_steps += 1
-            log.exception("decode step over %d request(s) failed; failing them", len(g.ids))
-            for rid, run in zip(g.ids, g.runs):
-                ended.append(rid)
-                self._fail(rid, run.req.owner, f"a decode step it was in failed: {type(e).__name__}: {e}", FailureKind.STEP)
-            return StepTokens([], [], [])
+            return self._step_failed(g, ended, e, "decode")
         if spec_bucket is not None:
             self.policy.record(spec_bucket, 0, time.perf_counter() - t0)
         g.tokens = tokens
@@ -583,14 +575,7 @@ class DecodeWorker:
                 self._spec_history(g, inputs)
             rows = self.runner.run_spec(g.ids, inputs, verify, span, launch, sampling, agreed)
         except Exception as e:
-            if self.lockstep:
-                raise ReplicaBroken(f"a speculative decode step failed on a replica rank: {type(e).__name__}: {e}") from e
-            self.failed_steps += 1
-            log.exception("speculative decode step over %d request(s) failed; failing them", len(g.ids))
-            for rid, run in zip(g.ids, g.runs):
-                ended.append(rid)
-                self._fail(rid, run.req.owner, f"a decode step it was in failed: {type(e).__name__}: {e}", FailureKind.STEP)
-            return StepTokens([], [], [])
+            return self._step_failed(g, ended, e, "speculative decode")
         kept_counts = [row[span] for row in rows]
         self.policy.record(bucket, n, time.perf_counter() - t0, verify, kept_counts)
         drawn = sampling.tokens([t for row in rows for t in row[:span]]) if sampling is not None else None
@@ -676,6 +661,18 @@ class DecodeWorker:
         if dst:
             self.history.copy_rows(dst, src)
             self.history.extend(dst, params, drafts)
+
+    def _step_failed(self, g: _Group, ended: list[str], e: Exception, what: str) -> StepTokens:
+        """A step over `g` raised: on a replica rank the replica is broken; otherwise the step may have written part
+        of these requests' state, so all of them fail (each to be prefilled again) and leave."""
+        if self.lockstep:
+            raise ReplicaBroken(f"a {what} step failed on a replica rank: {type(e).__name__}: {e}") from e
+        self.failed_steps += 1
+        log.exception("%s step over %d request(s) failed; failing them", what, len(g.ids))
+        for rid, run in zip(g.ids, g.runs):
+            ended.append(rid)
+            self._fail(rid, run.req.owner, f"a decode step it was in failed: {type(e).__name__}: {e}", FailureKind.STEP)
+        return StepTokens([], [], [])
 
     def _inject_faults(self, faults: set[str]) -> None:
         if "hang" in faults:
