@@ -73,6 +73,15 @@ def _spec_greedy(model: V4Model, view, n_draft: int) -> torch.Tensor:
 _LOOKUP_GUARDS = ("NOT_PRESENT_IN_GENERIC_DICT", "TYPE_MATCH", "CLOSURE_MATCH", "DUPLICATE_INPUT")
 
 
+INDUCTOR_PATCHES = {"cpp_wrapper": True, "cpp.threads": 1, "reorder_for_locality": False}
+"""Inductor's settings for the compiled step. `reorder_for_locality` is off: that pass moves each op to just
+before its first user, so a gather of the arena that the step reads before a layer's writes (the speculative
+view reads the stored window ring and tails, then appends HCA entries and indexer keys, then attends) moves after
+those writes; the arena is then read after it was updated, Inductor cannot update it in place, and every step
+copied the whole arena (about 60x the plain step's time on the tiny model). With the pass off, each write stays
+an in-place update of the arena (`tests/unit/test_step_inplace.py` checks the generated code)."""
+
+
 def _step_guards(entries) -> list[bool]:
     """Which of Dynamo's guards the compiled step keeps: the view's tensors (their shapes pick the bucket)
     and values (the store's geometry), and the global state. Dropped: the ~1,900 guards on the model
@@ -220,7 +229,7 @@ class StepRunner:
         # The generated kernels run on one thread: at decode sizes each is microseconds of work and
         # waking other threads for each of them cost more than it saved (4x slower steps with the
         # tier on, measured); the matmuls they call still use every thread.
-        return compile_fx(gm, example_inputs, config_patches={"cpp_wrapper": True, "cpp.threads": 1})
+        return compile_fx(gm, example_inputs, config_patches=INDUCTOR_PATCHES)
 
     # start-up ------------------------------------------------------------------------------------
 
