@@ -78,7 +78,8 @@ INDUCTOR_PATCHES = {"cpp_wrapper": True, "cpp.threads": 1, "reorder_for_locality
 before its first user, so a gather of the arena that the step reads before a layer's writes (the speculative
 view reads the stored window ring and tails, then appends HCA entries and indexer keys, then attends) moves after
 those writes; the arena is then read after it was updated, Inductor cannot update it in place, and every step
-copied the whole arena (about 60x the plain step's time on the tiny model). With the pass off, each write stays
+copied the whole arena (the compiled speculative step measured 99 ms against the plain step's 1.74 ms on the tiny model
+before this). With the pass off, each write stays
 an in-place update of the arena (`tests/unit/test_step_inplace.py` checks the generated code)."""
 
 
