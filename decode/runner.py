@@ -74,13 +74,13 @@ _LOOKUP_GUARDS = ("NOT_PRESENT_IN_GENERIC_DICT", "TYPE_MATCH", "CLOSURE_MATCH", 
 
 
 INDUCTOR_PATCHES = {"cpp_wrapper": True, "cpp.threads": 1, "reorder_for_locality": False}
-"""Inductor's settings for the compiled step. `reorder_for_locality` is off: that pass moves each op to just
-before its first user, so a gather of the arena that the step reads before a layer's writes (the speculative
-view reads the stored window ring and tails, then appends HCA entries and indexer keys, then attends) moves after
-those writes; the arena is then read after it was updated, Inductor cannot update it in place, and every step
-copied the whole arena (the compiled speculative step measured 99 ms against the plain step's 1.74 ms on the tiny model
-before this). With the pass off, each write stays
-an in-place update of the arena (`tests/unit/test_step_inplace.py` checks the generated code)."""
+"""Inductor's settings for the compiled step (why `cpp_wrapper` and one thread: `StepRunner._backend`).
+`reorder_for_locality` is off: that pass moves each op to just before its first user, so a gather of the arena
+read before a layer's writes (the speculative view reads the stored window ring and tails, then appends HCA
+entries and indexer keys, then attends) moves after those writes; the arena is then needed both before and
+after its update, Inductor cannot update it in place, and every step copied the whole arena (the compiled
+speculative step measured 99 ms against the plain step's 1.74 ms on the tiny model before this). With the
+pass off each write stays in place (`tests/unit/test_step_inplace.py` checks the generated code)."""
 
 
 def _step_guards(entries) -> list[bool]:
