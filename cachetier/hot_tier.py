@@ -75,6 +75,10 @@ class HotTier:
         self.hot_entry_row[j][group] = -1
         self.hot_stamp[j][group] = -1
 
+    def unmap(self, j: int, map_rows: torch.Tensor) -> None:
+        """Pages a running request just took: none of their entries is resident (whatever an earlier owner left)."""
+        self.entry_map[j][map_rows] = -1
+
     def place_newest(self, j: int, group: int, slots: torch.Tensor, map_rows: torch.Tensor, vectors: torch.Tensor) -> None:
         """The newest entries (their map rows, vectors) into ring `slots` of a request's hot buffer."""
         self.hot_view(j)[group, slots] = vectors

@@ -71,6 +71,12 @@ class PageAllocator:
             self.owner[p] = owner
         self._used[group] = self.group_pages
         self.num_free -= self.group_pages
+        return group, self.allocate_blocks(owner, num_blocks)
+
+    def allocate_blocks(self, owner: str, num_blocks: int) -> list[int]:
+        """Take `num_blocks` single pages for `owner`, lowest first (a new request's, or a running one's growth)."""
+        if self.num_free < num_blocks:
+            raise OutOfPages(f"need {num_blocks} pages, {self.num_free} free")
         blocks = []
         while len(blocks) < num_blocks:
             p = heapq.heappop(self._free_heap)
@@ -79,7 +85,7 @@ class PageAllocator:
                 self._count(p, 1)
                 blocks.append(p)
         self.num_free -= num_blocks
-        return group, blocks
+        return blocks
 
     def free(self, owner: str, group: int, blocks: list[int]) -> None:
         start = group * self.group_pages

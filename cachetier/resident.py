@@ -30,6 +30,15 @@ class Resident:
     """The first position whose MTP entry this request's ring holds (speculation; set when it is filled)."""
     filled: bool = False
     """False while the pages are only reserved (the layout has not arrived yet)."""
+    tables_version: int = 0
+    """Bumped whenever its pages change while it runs (it grew, or came back from host memory in other pages), so a
+    step view rebuilds the block tables it keeps."""
+
+
+def tables_key(residents: list[Resident]) -> tuple:
+    """What a step view's block tables depend on: which resident objects, in which order, at which version (the
+    objects stay referenced by the view, so no id is reused while it compares)."""
+    return tuple((id(r), r.tables_version) for r in residents)
 
 
 num_tokens_of, group_of = attrgetter("num_tokens"), attrgetter("group")

@@ -34,7 +34,7 @@ import torch
 from cachetier.batch import Segment, entry_counts
 from cachetier.geometry import block_rows
 from cachetier.layout import C4
-from cachetier.resident import Resident, group_of, num_tokens_of
+from cachetier.resident import Resident, group_of, num_tokens_of, tables_key
 from cachetier.tiered_batch import TieredBatch
 
 NOT_VERIFIED = -1
@@ -105,7 +105,7 @@ class SpecBatch(TieredBatch):
         meta[3, :n] = j * verified + NOT_VERIFIED * ~verified
         meta[4, :n] = np.array([r.mtp_floor for r in residents], dtype=np.int64).reshape(-1, 1)
         meta[0, n:], meta[1, n:], meta[2, n:], meta[3, n:], meta[4, n:] = 0, g.scratch_group, 0, NOT_VERIFIED, 0
-        key = tuple(map(id, residents))
+        key = tables_key(residents)
         self.residents = list(residents)
         if key != self._tables_for:
             tables = self._tables_host.numpy().reshape(2, R, S, -1)

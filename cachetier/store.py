@@ -12,10 +12,12 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from cachetier.admission import ReservePolicy
 from cachetier.batch import INDEX, MAIN, DecodeKV, LayoutBatch
 from cachetier.buckets import context_blocks
 from cachetier.geometry import Field, Geometry, block_rows
@@ -38,27 +40,43 @@ class IntegrityError(AssertionError):
     pass
 
 
+@dataclass
+class Swapped:
+    """A request paused by `TieredStore.swap_out`: where it sat (its host blocks still its own) and its device pages'
+    contents, [group pages + blocks, page elements] in host memory."""
+
+    resident: Resident
+    pages: torch.Tensor
+
+
 class KVStore(ABC):
     """What the decode worker needs from a store.
 
     Admission comes in two halves so that decode capacity can be held before prefill starts:
-    `reserve` takes a request's pages at its final length (prompt + max_tokens) and `fill` later
-    writes the prefilled layout into them; `admit` does both at once. `free` returns whatever the
-    request holds (reserved or filled). Allocation is thread-safe: an actor may reserve from its
-    event loop while the step thread decodes.
+    `reserve` takes a request's pages (at its final length, prompt + max_tokens, or less under the
+    `estimate` policy: `cachetier.admission`) and `fill` later writes the prefilled layout into them;
+    `admit` does both at once. `free` returns whatever the request holds (reserved, filled or swapped
+    out). Allocation is thread-safe: an actor may reserve from its event loop while the step thread
+    decodes. A store whose requests `grow` also moves a request's device state out (`swap_out`) and
+    back (`swap_in`).
     """
+
+    grows = False
+    """Whether admission may hold less than the final length: the decode worker then makes room before each step
+    (`grow`, pausing requests with `swap_out` when the device is full)."""
 
     @abstractmethod
     def check_fits_ever(self, request_id: str, reserve_tokens: int) -> None:
         """Raise `NeverFitsError` if a request of this final length could never be admitted."""
 
     @abstractmethod
-    def fits(self, reserve_tokens: int) -> bool:
-        ...
+    def fits(self, reserve_tokens: int, context_tokens: int | None = None) -> bool:
+        """Whether `reserve` of a request of this final length, whose layout holds `context_tokens`, would succeed now."""
 
     @abstractmethod
-    def reserve(self, request_id: str, reserve_tokens: int) -> bool:
-        """Take the pages a request needs at `reserve_tokens` tokens now; False if they are not free."""
+    def reserve(self, request_id: str, reserve_tokens: int, context_tokens: int | None = None) -> bool:
+        """Take the pages a request of final length `reserve_tokens` needs now (its layout holds `context_tokens`,
+        None when it is not prefilled yet); False if they are not free."""
 
     @abstractmethod
     def fill(self, request_id: str, layout: KVLayout) -> None:
@@ -66,7 +84,7 @@ class KVStore(ABC):
 
     def admit(self, request_id: str, layout: KVLayout, reserve_tokens: int) -> None:
         """`reserve` + `fill`; raises `OutOfPages` when the pages are not free now."""
-        if not self.reserve(request_id, max(reserve_tokens, layout.num_tokens + 1)):
+        if not self.reserve(request_id, max(reserve_tokens, layout.num_tokens + 1), layout.num_tokens):
             raise OutOfPages(f"no room for {request_id} ({reserve_tokens} tokens) right now")
         try:
             self.fill(request_id, layout)
@@ -80,7 +98,23 @@ class KVStore(ABC):
 
     @abstractmethod
     def holds(self, request_id: str) -> bool:
-        """Whether the request has pages here (reserved or filled)."""
+        """Whether the request has pages here (reserved, filled or swapped out)."""
+
+    def grow(self, request_id: str, ahead: int) -> bool:
+        """Make a running request's blocks cover `ahead` more tokens (never past its final length); False when the
+        pages are not free now."""
+        return True
+
+    def swap_out(self, request_id: str) -> None:
+        """Move a running request's device state to host memory and return its device pages (it pauses)."""
+        raise NotImplementedError(f"{type(self).__name__} does not swap requests out")
+
+    def swap_in(self, request_id: str, spare_blocks: int = 0) -> bool:
+        """Bring a swapped-out request back onto the device (False: its pages, plus `spare_blocks`, are not free)."""
+        raise NotImplementedError(f"{type(self).__name__} does not swap requests out")
+
+    def finished(self, request_id: str, generated: int) -> None:  # noqa: B027 - only an estimating store listens
+        """A request is about to leave after generating `generated` tokens (the admission estimate learns from it)."""
 
     @abstractmethod
     def batch(self, request_ids: list[str]) -> DecodeKV:
@@ -126,10 +160,10 @@ class LayoutStore(KVStore):
     def check_fits_ever(self, request_id, reserve_tokens) -> None:
         pass
 
-    def fits(self, reserve_tokens) -> bool:
+    def fits(self, reserve_tokens, context_tokens=None) -> bool:
         return True
 
-    def reserve(self, request_id, reserve_tokens) -> bool:
+    def reserve(self, request_id, reserve_tokens, context_tokens=None) -> bool:
         if request_id in self.layouts:
             raise ValueError(f"request {request_id} already holds pages")
         self.layouts[request_id] = None
@@ -175,6 +209,11 @@ class TieredStore(KVStore):
             self.hot = HotTier(g, self.arena, self.device, pin=dev.pin_host_memory and self.device.type == "cuda")
             self.host_alloc = BlockAllocator(g.num_host_blocks)
         self.residents: dict[str, Resident] = {}
+        self.policy = ReservePolicy(tier)
+        self.grows = self.policy.elastic
+        self.swapped: dict[str, Swapped] = {}
+        """Requests paused with their device state in host memory (`swap_out`): they hold host blocks, no pages."""
+        self.swaps = self.resumes = 0
         self._alloc_lock = threading.Lock()  # reservations come from the actor's loop, frees from its step thread
         self._views: dict[tuple[int, int], TieredBatch] = {}
         self._staging: torch.Tensor | None = None  # pinned (CUDA): layouts cross to the device through it
@@ -218,26 +257,31 @@ class TieredStore(KVStore):
                 f"({self.host_alloc.num_blocks * g.host_block_bytes}); raise --host-pool-bytes"
             )
 
-    def fits(self, reserve_tokens: int) -> bool:
-        nb = self.geo.blocks_for(reserve_tokens)
+    def _blocks_to_take(self, reserve_tokens: int, context_tokens: int | None) -> tuple[int, int]:
+        """(device blocks, host blocks) admission takes for a request (the reserve policy decides the first)."""
+        g = self.geo
+        return g.blocks_for(self.policy.device_tokens(reserve_tokens, context_tokens)), g.blocks_for(reserve_tokens)
+
+    def fits(self, reserve_tokens: int, context_tokens: int | None = None) -> bool:
+        nb, nh = self._blocks_to_take(reserve_tokens, context_tokens)
         with self._alloc_lock:
-            if self.host_alloc is not None and self.host_alloc.num_free < nb:
+            if self.host_alloc is not None and self.host_alloc.num_free < nh:
                 return False
             return self.pages.can_allocate(nb)
 
-    def reserve(self, request_id: str, reserve_tokens: int) -> bool:
-        """Take a state group and the blocks of `reserve_tokens` tokens (and their host blocks) now."""
-        g = self.geo
-        nb = g.blocks_for(reserve_tokens)
+    def reserve(self, request_id: str, reserve_tokens: int, context_tokens: int | None = None) -> bool:
+        """Take a state group and the blocks the reserve policy gives a request of `reserve_tokens` tokens now, and its
+        host blocks at that final length."""
+        nb, nh = self._blocks_to_take(reserve_tokens, context_tokens)
         with self._alloc_lock:
-            if request_id in self.residents:
+            if request_id in self.residents or request_id in self.swapped:
                 raise ValueError(f"request {request_id} already holds pages")
-            if self.host_alloc is not None and self.host_alloc.num_free < nb:
+            if self.host_alloc is not None and self.host_alloc.num_free < nh:
                 return False
             if not self.pages.can_allocate(nb):
                 return False
             group, blocks = self.pages.allocate(request_id, nb)
-            host_blocks = self.host_alloc.allocate(request_id, nb) if self.host_alloc is not None else []
+            host_blocks = self.host_alloc.allocate(request_id, nh) if self.host_alloc is not None else []
             # host bookkeeping only: a reservation comes from the actor's event loop, and every device
             # operation of an actor runs on its step thread (`fill` makes the device tables)
             r = Resident(request_id, group, blocks, host_blocks, 0, reserve_tokens,
@@ -253,9 +297,9 @@ class TieredStore(KVStore):
             raise ValueError(f"request {request_id} holds no reserved pages")
         if r.filled:
             raise ValueError(f"request {request_id} is already filled")
-        if layout.num_tokens + 1 > r.reserve_tokens:
+        if layout.num_tokens + 1 > min(r.reserve_tokens, len(r.blocks) * self.geo.block_tokens):
             raise ValueError(f"the layout of {request_id} has {layout.num_tokens} tokens but only "
-                             f"{r.reserve_tokens} were reserved")
+                             f"{min(r.reserve_tokens, len(r.blocks) * self.geo.block_tokens)} were reserved")
         r.blocks_t = torch.from_numpy(r.blocks_np).to(self.device, non_blocking=True)
         r.host_blocks_t = torch.from_numpy(r.host_blocks_np if len(r.host_blocks_np) else np.zeros(1, np.int64))
         self._write_layout(r, layout)
@@ -264,7 +308,7 @@ class TieredStore(KVStore):
         r.filled = True
 
     def holds(self, request_id: str) -> bool:
-        return request_id in self.residents
+        return request_id in self.residents or request_id in self.swapped
 
     def capacity(self) -> dict:
         """Free and total pages and host blocks (what routing decisions read)."""
@@ -415,10 +459,90 @@ class TieredStore(KVStore):
 
     def free(self, request_id: str) -> None:
         with self._alloc_lock:
-            r = self.residents.pop(request_id)
-            self.pages.free(request_id, r.group, r.blocks)
+            if request_id in self.swapped:
+                r = self.swapped.pop(request_id).resident
+            else:
+                r = self.residents.pop(request_id)
+                self.pages.free(request_id, r.group, r.blocks)
             if self.host_alloc is not None:
                 self.host_alloc.free(request_id, r.host_blocks)
+
+    def finished(self, request_id: str, generated: int) -> None:
+        self.policy.finished(generated)
+
+    # growth and swapping (reserve=estimate) -------------------------------------------------------
+
+    def grow(self, request_id: str, ahead: int) -> bool:
+        """Blocks for `ahead` more tokens than the request holds (capped at its final length): the new pages' C4
+        entries start unmapped in the hot tier, as a fresh request's do."""
+        r = self.residents[request_id]
+        need = self.geo.blocks_for(min(r.num_tokens + ahead, r.reserve_tokens)) - len(r.blocks)
+        if need <= 0:
+            return True
+        with self._alloc_lock:
+            if self.pages.num_free < need:
+                return False
+            new = self.pages.allocate_blocks(request_id, need)
+        self._set_blocks(r, r.blocks + new)
+        if self.hot is not None:
+            new_t = r.blocks_t[-need:]
+            rows = (new_t[:, None] * self.geo.e4 + torch.arange(self.geo.e4, device=self.device)).flatten()
+            for j in range(len(self.geo.csa_layers)):
+                self.hot.unmap(j, rows)
+        return True
+
+    def _set_blocks(self, r: Resident, blocks: list[int]) -> None:
+        r.tables_version += 1
+        r.blocks = blocks
+        r.blocks_np = np.array(blocks, dtype=np.int64)
+        r.blocks_t = torch.from_numpy(r.blocks_np).to(self.device, non_blocking=True)
+
+    def _page_index(self, r: Resident) -> torch.Tensor:
+        """The arena pages a request holds on the device, in order: its state group's, then its blocks."""
+        gp = self.geo.group_pages
+        pages = np.concatenate((np.arange(r.group * gp, (r.group + 1) * gp, dtype=np.int64), r.blocks_np))
+        return torch.from_numpy(pages).to(self.device)
+
+    def swap_out(self, request_id: str) -> None:
+        """The request's device pages (state group and blocks) to host memory in one gather and one copy, then back to
+        the allocator; its host blocks (the authoritative C4 entries) stay where they are."""
+        r = self.residents[request_id]
+        if not r.filled:
+            raise ValueError(f"request {request_id} is only reserved: nothing of it runs yet")
+        saved = self.arena.view(-1, self.geo.page_elems)[self._page_index(r)].to("cpu")
+        with self._alloc_lock:
+            del self.residents[request_id]
+            self.pages.free(request_id, r.group, r.blocks)
+            self.swapped[request_id] = Swapped(r, saved)
+        self.swaps += 1
+
+    def swap_in(self, request_id: str, spare_blocks: int = 0) -> bool:
+        """A swapped-out request back into fresh pages (when they and `spare_blocks` more are free): its pages'
+        contents copied back, then its hot buffers rebuilt as at admission: nothing mapped but the ring, which gets
+        the newest C4 entries from the host pool. (LRU contents are not restored: a miss refills them, and the rows
+        attention reads are the same either way.)"""
+        sw = self.swapped[request_id]
+        r = sw.resident
+        with self._alloc_lock:
+            if not self.pages.can_allocate(len(r.blocks) + spare_blocks):
+                return False
+            group, blocks = self.pages.allocate(request_id, len(r.blocks))
+            del self.swapped[request_id]
+            r.group = group
+            self._set_blocks(r, blocks)
+            self.residents[request_id] = r
+        self.arena.view(-1, self.geo.page_elems)[self._page_index(r)] = sw.pages.to(self.device)
+        if self.hot is not None:
+            n = r.num_tokens // self.cfg.csa_rate
+            rows = self._c4_rows(r, n)
+            for j in range(len(self.geo.csa_layers)):
+                self.hot.forget(j, r.group, rows["map"])
+                if "slots" in rows:
+                    newest = torch.arange(max(0, n - self.geo.reserved), n, device="cpu")  # the host pool's rows
+                    vectors = self.hot.host.kv[j, self.hot.host.rows(r.host_blocks_t, newest)].to(self.device)
+                    self.hot.place_newest(j, r.group, rows["slots"], rows["hot_rows"], vectors)
+        self.resumes += 1
+        return True
 
     def context_blocks(self, residents: list[Resident]) -> int:
         """The context bucket of a step over these residents (`cachetier.buckets`)."""
@@ -502,6 +626,10 @@ class TieredStore(KVStore):
             "host_bytes_total": (self.host_alloc.num_blocks * g.host_block_bytes) if self.host_alloc else 0,
             "pages_free": self.pages.num_free, "pages_total": g.num_pages,
         }
+        if self.grows:
+            out.update(reserve="estimate", output_estimate_tokens=self.policy.estimate(), swapped=len(self.swapped),
+                       swapped_bytes=sum(sw.pages.numel() * sw.pages.element_size() for sw in self.swapped.values()),
+                       swaps=self.swaps, resumes=self.resumes)
         out.update(self.counter_totals())
         return out
 
@@ -538,11 +666,13 @@ class TieredStore(KVStore):
         h_owned = sum(1 for o in self.host_alloc.owner if o is not None)
         if h_owned + self.host_alloc.num_free != self.host_alloc.num_blocks:
             fail(f"host blocks: {h_owned} used + {self.host_alloc.num_free} free != {self.host_alloc.num_blocks}")
-        if h_owned != sum(len(r.host_blocks) for r in self.residents.values()):
-            fail("host blocks owned do not match the residents' tables")
-        for r in self.residents.values():
+        holders = [*self.residents.values(), *(sw.resident for sw in self.swapped.values())]
+        if h_owned != sum(len(r.host_blocks) for r in holders):
+            fail("host blocks owned do not match the residents' and swapped requests' tables")
+        for r in holders:
             if any(self.host_alloc.owner[b] != r.request_id for b in r.host_blocks):
                 fail(f"{r.request_id}: a host block it holds is owned by someone else")
+        for r in self.residents.values():
             if not r.filled:
                 continue  # reserved only: nothing of it is written yet
             problems = self.hot.check(r.request_id, r.group, r.blocks_t, r.host_blocks_t, r.num_tokens // self.cfg.csa_rate)

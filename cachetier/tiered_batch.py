@@ -25,7 +25,7 @@ from cachetier.batch import DecodeKV, Segment, entry_counts
 from cachetier.buckets import gather_len
 from cachetier.geometry import Geometry, block_rows
 from cachetier.layout import HCA_ENTRIES, INDEX_KEYS
-from cachetier.resident import Resident, group_of, num_tokens_of
+from cachetier.resident import Resident, group_of, num_tokens_of, tables_key
 from core.config import ModelConfig
 from kernels.index_topk_ref import PagedKeys
 from kernels.resolve import resolve
@@ -81,7 +81,7 @@ class TieredBatch(DecodeKV):
         meta[2, :n] = list(tokens) if tokens is not None else 0
         meta[0, n:], meta[1, n:], meta[2, n:] = 0, g.scratch_group, 0
         # The same resident objects (the previous ones are still referenced here, so no id is reused)
-        key = tuple(map(id, residents))
+        key = tables_key(residents)
         self.residents = list(residents)
         if key != self._tables_for:
             # Each row's tables from its resident's int64 arrays, scratch past them and on the padding rows:

@@ -51,6 +51,9 @@ def _num(value: float) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+RESERVE_POLICIES = ("final", "estimate")
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """How a decode worker holds KV: what stays on the device, what goes to the host pool."""
@@ -75,10 +78,21 @@ class TierConfig:
     """Draft tokens a decode step may verify per request with the model's MTP head (0: no speculation;
     docs/speculative.md). It sizes what speculation holds per request: the MTP block's window ring in each state
     group, and the hot buffer's LRU part (at least (N + 1) x index_topk, `cachetier.geometry.spec_lru_floor`)."""
+    reserve: str = "final"
+    """How much device room admission takes (`cachetier.admission`): `final` holds a request's blocks at its final
+    length (prompt + max_tokens), so it never waits once admitted; `estimate` holds the prompt plus an estimate of
+    its output, grows it block by block as it decodes, and when the device is full pauses the newest running
+    request, its device state moved to host memory, resuming it later with identical tokens (no prefill). Host-pool
+    blocks are held at the final length either way."""
+    output_estimate_tokens: int = 256
+    """`reserve=estimate`: the output estimate until requests have finished here (then the mean of the last ones)."""
 
     def __post_init__(self) -> None:
         # whether the budget holds a request depends on the model: `cachetier.geometry.Geometry` decides that
-        _at_least(self, max_running=1, device_budget_bytes=1, host_pool_bytes=0, block_tokens=1, speculative_tokens=0)
+        _at_least(self, max_running=1, device_budget_bytes=1, host_pool_bytes=0, block_tokens=1, speculative_tokens=0,
+                  output_estimate_tokens=1)
+        if self.reserve not in RESERVE_POLICIES:
+            raise ValueError(f"reserve must be one of {RESERVE_POLICIES}, got {self.reserve!r}")
 
 
 STATE_POLICIES = ("last", "every")

@@ -11,9 +11,14 @@ Two ways in:
 - **queued** (one process): `submit` queues a prefilled request; it is admitted in arrival order once
   its pages fit.
 
-Growth policy: **reserve**. Pages are held at the final length (prompt + max_tokens), so an admitted
-request never stalls or has to be preempted mid-stream — in a PD split a preempted request would have
-to be prefilled again on the other side — and the reservation returns the moment a request stops.
+Growth policy: the store's (`cachetier.admission`). Under `final` (the default) pages are held at the final
+length (prompt + max_tokens), so an admitted request never stalls, and the reservation returns the moment a
+request stops. Under `estimate` a request is admitted with the pages of its prompt plus an output estimate and
+grows before each step (`_make_room`); when the device has no free page, the newest running request is paused:
+its device state moves to host memory (`swap_out`) and it resumes from there, with the same tokens and no
+prefill, once its pages are free again. Paused requests resume in the order they paused, before anything new
+is admitted, so no admitted request waits behind a newcomer, and none fails for lack of room: a request that
+fits the whole budget at its final length (`check_fits_ever`) can always run alone.
 
 Failures: an exception in a step fails exactly the requests of that step (their state may be half
 written), as retryable failures collected by `take_failures`; a request that failed once this way is
@@ -112,6 +117,11 @@ class DecodeRequest:
     @property
     def reserve_tokens(self) -> int:
         return self.attempt.reserve_tokens
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens its layout holds: the prompt and all generated tokens but the last."""
+        return self.attempt.request.prompt_len + self.num_generated - 1
 
     @classmethod
     def fresh(cls, key: str, layout: KVLayout, first_token: SampledToken, sampling: SamplingParams, seed: int,
@@ -253,6 +263,8 @@ class DecodeWorker:
         the previous step's output on there, so the threads that deliver it run while the forward does
         (GIL released), not in the gap between steps."""
         self.reserved: dict[str, _Reservation] = {}
+        self.paused: deque[_Running] = deque()
+        """Running requests paused for room, their device state in host memory (`store.swap_out`), oldest first."""
         self.arrivals: deque[DecodeRequest] = deque()
         self.failures: list[Failure] = []
         self.history: TokenHistory | None = None
@@ -281,7 +293,9 @@ class DecodeWorker:
         with self._lock:
             if request_id in self.reserved or request_id in self.running:
                 raise ValueError(f"request {request_id} is already here")
-            if len(self.reserved) + len(self.running) + len(self.arrivals) >= self.max_running:
+            if len(self.reserved) + len(self.running) + len(self.arrivals) + len(self.paused) >= self.max_running:
+                return False
+            if self.paused:  # paused requests get the room first
                 return False
             if not self.store.reserve(request_id, reserve_tokens):
                 return False
@@ -308,6 +322,11 @@ class DecodeWorker:
         if request_id in self.running:
             self._leave([request_id])
             found = True
+        elif any(run.req.request_id == request_id for run in self.paused):
+            run = next(run for run in self.paused if run.req.request_id == request_id)
+            self.paused.remove(run)
+            self._release(request_id, run)
+            found = True
         else:
             with self._lock:
                 if self.reserved.pop(request_id, None) is not None:
@@ -332,14 +351,14 @@ class DecodeWorker:
 
     def has_work(self) -> bool:
         """Whether `step` has something to do: requests to decode or admit, or a reservation that lapsed."""
-        if self.running or self.waiting or self.arrivals:
+        if self.running or self.waiting or self.arrivals or self.paused:
             return True
         with self._lock:
             return bool(self.reserved) and min(r.deadline for r in self.reserved.values()) < time.monotonic()
 
     def idle(self) -> bool:
         """Nothing held at all: no request running, queued, arriving or reserved."""
-        return not (self.running or self.waiting or self.arrivals or self.reserved)
+        return not (self.running or self.waiting or self.arrivals or self.reserved or self.paused)
 
     def take_failures(self) -> list[Failure]:
         out, self.failures = self.failures, []
@@ -364,10 +383,16 @@ class DecodeWorker:
                 self._fail(req.request_id, req.owner, f"writing its layout failed: {e}", FailureKind.LAYOUT)
                 continue
             self._start(req)
-        # queued requests, in arrival order while they fit
-        while self.waiting and len(self.running) < self.max_running:
+        # paused requests, in the order they paused, with a block to spare (so that the first to grow does not
+        # pause it again at once)
+        while self.paused and self.store.swap_in(self.paused[0].req.request_id, spare_blocks=1):
+            run = self.paused.popleft()
+            self._running_changed()
+            self.running[run.req.request_id] = run
+        # queued requests, in arrival order while they fit (and nobody paused is waiting for room)
+        while self.waiting and not self.paused and len(self.running) < self.max_running:
             req = self.waiting[0]
-            if not self.store.fits(req.reserve_tokens):
+            if not self.store.fits(req.reserve_tokens, req.context_tokens):
                 break  # arrival order: nobody jumps the queue
             self.waiting.popleft()
             self.store.admit(req.request_id, req.layout, req.reserve_tokens)
@@ -429,6 +454,8 @@ class DecodeWorker:
         """Admit what arrived or fits, decode one token for every running request; returns the new tokens
         (a `StepTokens` when one forward ran). Requests that failed are collected by `take_failures`."""
         self._admit()
+        if self.store.grows and self.running:
+            self._make_room()
         if self._groups is None:
             self._groups = self._regroup()
         groups = self._groups
@@ -480,14 +507,36 @@ class DecodeWorker:
                 g.sync()
             self._groups = None
 
+    def _make_room(self) -> None:
+        """Every running request's blocks cover this step's positions (the most a step may verify), oldest first;
+        while the device has no page for one, the newest running request pauses (possibly that one itself)."""
+        ahead = 1 + self.spec_tokens
+        for rid in list(self.running):
+            while rid in self.running and not self.store.grow(rid, ahead):
+                if len(self.running) == 1:  # alone and still no room: the budget check at admission rules this out
+                    raise RuntimeError(f"{rid} cannot grow though it runs alone: the device budget is below its "
+                                       "final length")
+                self._pause(next(reversed(self.running)))
+
+    def _pause(self, request_id: str) -> None:
+        self._running_changed()
+        run = self.running.pop(request_id)
+        self.store.swap_out(request_id)
+        self.paused.append(run)
+        log.info("paused %s for room (%d paused)", request_id, len(self.paused))
+
     def _leave(self, request_ids: list[str]) -> None:
         """These running requests stop; their memory returns at once."""
         self._running_changed()
         for rid in request_ids:
-            run = self.running.pop(rid)
-            if run.slot >= 0:
-                self.history.free(run.slot)
-            self.store.free(rid)
+            self._release(rid, self.running.pop(rid))
+
+    def _release(self, request_id: str, run: _Running) -> None:
+        """A request that stops (running or paused): its history row and its memory in both tiers return."""
+        if run.slot >= 0:
+            self.history.free(run.slot)
+        self.store.finished(request_id, run.num_generated)
+        self.store.free(request_id)
 
     def _decode(self, g: _Group, ended: list[str], bucket: tuple[int, int] | None = None, span: int | None = None) -> StepTokens:
         """One forward over a group (in `bucket`, when the replica's ranks agreed on one, verifying `span` positions
@@ -711,6 +760,7 @@ class DecodeWorker:
 
     def stats(self) -> dict:
         out = {"running": len(self.running), "waiting": len(self.waiting) + len(self.arrivals), "reserved": len(self.reserved),
+               "paused": len(self.paused),
                "steps": self.steps, "tokens_out": self.tokens_out, "failed_steps": self.failed_steps,
                "integrity_checks": self.integrity_checks, "integrity_errors": self.integrity_errors}
         if self.runner is not None:

@@ -17,6 +17,7 @@ from core.configs import (
     COMPILE_BACKENDS,
     DECODE_MODES,
     PLACEMENTS,
+    RESERVE_POLICIES,
     STATE_POLICIES,
     ClusterConfig,
     DeadlineConfig,
@@ -85,6 +86,8 @@ TIER = [
     Flag("--block-tokens", TierConfig, "block_tokens", {"type": int}),
     Flag("--max-running", TierConfig, "max_running", {"type": int}),
     Flag("--speculative-tokens", TierConfig, "speculative_tokens", {"type": int, "metavar": "N"}),
+    Flag("--reserve", TierConfig, "reserve", {"choices": RESERVE_POLICIES}),
+    Flag("--output-estimate-tokens", TierConfig, "output_estimate_tokens", {"type": int}),
 ]
 STEP = [
     Flag("--decode-mode", StepConfig, "decode_mode", {"choices": DECODE_MODES}),

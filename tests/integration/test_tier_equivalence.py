@@ -10,6 +10,11 @@ The tier on also runs the schedule the way `decode_mode=compiled` does: padded t
 buckets, the whole step captured by `torch.compile(fullgraph=True)` (with the `eager` backend here:
 the capture is what is under test; `test_compiled_step` runs Inductor's code, and the tier off
 captured against HF).
+
+Both tiers also run it elastic (`reserve=estimate`, `cachetier.admission`) under a budget a fraction of the
+schedule's final lengths: requests are admitted with a small output estimate, grow block by block, and are
+paused (device state to host memory) when the device is full, resuming later; on top of that, requests are
+paused by force at chosen steps. The stream is the same through every pause and resume.
 """
 
 from __future__ import annotations
@@ -26,14 +31,18 @@ from model.sampling import sample
 PROMPTS = [5, 40, 77, 128, 200, 333, 64, 3, 150, 91]
 MAX_TOKENS = [470, 450, 440, 460, 480, 440, 450, 440, 250, 180]
 JOIN_AT = [0, 0, 0, 0, 0, 0, 30, 60, 110, 250]  # steps at which each request is handed to decode
+PAUSE_AT = {45: "r0", 100: "r3", 101: "r4", 200: "r5", 320: "r1", 400: "r2"}
+"""Elastic schedules: steps at which a request (if running) is paused by force, besides the pauses for room."""
 
 
 CAPTURED = StepConfig(decode_mode="compiled", compile_backend="eager", warmup=False)
 
 
-def _schedule(model, store, step_config=None, short=False):
+def _schedule(model, store, step_config=None, short=False, pauses=None):
     """`short`: the first six requests (all join at once) at half their length: still 50+ C4 entries each
-    against a hot buffer of 20 slots (the bf16 runs, which check the same identity in the other dtype)."""
+    against a hot buffer of 20 slots (the bf16 runs, which check the same identity in the other dtype).
+    `pauses`: step -> request id paused by force before that step (it resumes when room allows); the store's
+    integrity is checked after every step that paused or resumed a request."""
     g = torch.Generator().manual_seed(123)
     reqs = []
     lengths = [mt // 2 for mt in MAX_TOKENS[:6]] if short else MAX_TOKENS
@@ -50,8 +59,13 @@ def _schedule(model, store, step_config=None, short=False):
         for r, j in zip(reqs, JOIN_AT):
             if j == step:
                 worker.submit(r)
+        moves = (getattr(worker.store, "swaps", 0), getattr(worker.store, "resumes", 0))
+        if pauses and pauses.get(step) in worker.running:
+            worker._pause(pauses[step])
         for ev in worker.step():
             out[ev.request_id].append(ev.token.token_id)
+        if moves != (getattr(worker.store, "swaps", 0), getattr(worker.store, "resumes", 0)):
+            worker.check_integrity()
         max_batch = max(max_batch, len(worker.running))
         step += 1
         if step % 250 == 0:
@@ -79,6 +93,12 @@ def _run(name: str, model_dir: str):
     budget = 64 * 2**20
     if name == "plain":
         return _schedule(model, LayoutStore(cfg), short=short)
+    if name in ("on_elastic", "off_elastic"):  # about 6 (on) and 4 (off) of the requests at their final length
+        on = name == "on_elastic"
+        tier = TierConfig(offload=on, hot_buffer_slots=cfg.index_topk if on else None, reserved_slots=4,
+                          device_budget_bytes=900_000 if on else 1_100_000, host_pool_bytes=budget, reserve="estimate",
+                          output_estimate_tokens=16)
+        return _schedule(model, TieredStore(cfg, tier, dtype=model.dtype), pauses=PAUSE_AT)
     if name == "off":
         return _schedule(model, TieredStore(cfg, TierConfig(offload=False, device_budget_bytes=budget), dtype=model.dtype),
                          short=short)
@@ -94,7 +114,8 @@ def streams(tiny_dir):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    names = ("on_captured", "on", "off", "plain", "on_bf16", "off_bf16", "plain_bf16")  # the slowest first
+    names = ("on_captured", "on", "off", "plain", "on_elastic", "off_elastic", "on_bf16", "off_bf16",
+             "plain_bf16")  # the slowest first
     with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {name: pool.submit(_run, name, str(tiny_dir)) for name in names}
         return {name: f.result() for name, f in futures.items()}
@@ -147,8 +168,19 @@ def test_misses_on_every_csa_layer(streams, name):
     assert stats["bytes_h2d"] > 0 and stats["misses"] > 0
 
 
+@pytest.mark.parametrize("name", ["on_elastic", "off_elastic"])
+def test_elastic_streams_identical_through_pauses(streams, name):
+    """Paused for room and by force, moved to host memory and back into other pages: the same stream."""
+    assert streams[name][0] == streams["plain"][0]
+    st = streams[name][2]["stats"]
+    forced = len(PAUSE_AT)
+    assert st["swaps"] > forced  # pauses for room too, not only the forced ones
+    assert st["resumes"] == st["swaps"] and st["paused"] == 0 and st["swapped"] == 0
+    assert st["output_estimate_tokens"] != 16  # the estimate learned from the requests that finished
+
+
 def test_everything_returned_after_the_run(streams):
-    for name in ("on", "off", "on_captured", "on_bf16", "off_bf16"):
+    for name in ("on", "off", "on_captured", "on_bf16", "off_bf16", "on_elastic", "off_elastic"):
         st = streams[name][2]["stats"]
         assert st["running"] == 0 and st["device_bytes_used"] == 0 and st["host_bytes_used"] == 0
         assert st["pages_free"] == st["pages_total"]
