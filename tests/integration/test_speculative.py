@@ -45,7 +45,8 @@ def prompts(tiny_dir):
 
 
 def _run(model, prompts, params, n, offload=True, step=None, seeds=None, **tier):
-    tier = TierConfig(offload=offload, speculative_tokens=n, device_budget_bytes=64 << 20, reserved_slots=2, **tier)
+    tier = TierConfig(**{"offload": offload, "speculative_tokens": n, "device_budget_bytes": 64 << 20, "reserved_slots": 2,
+                         **tier})
     store = TieredStore(model.cfg, tier, dtype=model.dtype)
     w = DecodeWorker(model, store, max_running=16,
                      step_config=step or StepConfig(decode_mode="eager", speculative_adaptive=False))
@@ -184,6 +185,26 @@ def test_the_policy_drafts_when_it_pays_and_stops_when_it_does_not():
     assert p.choices[1][3] == 2 and p.could_pay(1) == [0]
     p = DraftPolicy(3, adaptive=False)
     assert {p.choose(4) for _ in range(10)} == {3}
+
+
+def test_exploring_backs_off_while_the_choice_holds_and_resumes_when_it_changes():
+    """A steady best count is re-checked at doubling intervals (exploring costs steps), and a change of cost that
+    flips the best count is still found and brings the interval back to `explore_every`."""
+    p = DraftPolicy(3, adaptive=True, probe=2, explore_every=5, explore_max=80, counts=[0, 3])
+    costly = {0: 1.0, 3: 3.0}  # N=3 could pay (under 4 plain steps) but keeps too little to beat the plain step
+    for _ in range(1000):
+        n = p.choose(16)
+        p.record(16, n, costly[n], [n] * 16 if n else None, [0] * 16 if n else None)
+    explored = p.choices[16][3] - 2  # past its two probes
+    assert 5 <= explored <= 20, p.choices  # at a fixed interval of 5 it would be about 200
+    assert p.interval[16] == 80
+    cheap = {0: 1.0, 3: 1.1}  # now verifying is nearly free and drafts are kept: N=3 pays
+    before = p.choices[16].get(3, 0)
+    for _ in range(400):
+        n = p.choose(16)
+        p.record(16, n, cheap[n], [n] * 16 if n else None, [n] * 16 if n else None)
+    assert p.choices[16][3] - before > 200, p.choices  # found within one interval, then chosen
+    assert p.best[16] == 3
 
 
 # --- refusals ----------------------------------------------------------------------------------------------
@@ -333,3 +354,37 @@ def test_logprob_requests_speculate_with_spec_offs_tokens_and_scores(spec_model,
         assert a.token.logprob == pytest.approx(b.token.logprob, abs=1e-4)
         assert [i for i, _ in a.token.top_logprobs] == [i for i, _ in b.token.top_logprobs] and len(a.token.top_logprobs) == asked
         assert [v for _, v in a.token.top_logprobs] == pytest.approx([v for _, v in b.token.top_logprobs], abs=1e-4)
+
+
+
+def test_speculation_through_elastic_pauses(spec_model, prompts):
+    """Elastic admission (`reserve=estimate`, blocks of 128 tokens, an output estimate of 8): speculative steps grow
+    the requests by the positions they verify as they cross block boundaries, and every 7th step the newest running
+    request is paused by force (device state, MTP ring included, to host memory) and resumes at the next; the greedy
+    tokens are spec-off's and the store checks out after every pause and resume."""
+    params = [SamplingParams(max_tokens=150 + 10 * i, ignore_eos=True) for i in range(len(prompts))]
+    off, _ = _run(spec_model, prompts, params, 0)
+    tier = TierConfig(offload=True, speculative_tokens=N, device_budget_bytes=64 << 20, reserved_slots=2, block_tokens=128,
+                      reserve="estimate", output_estimate_tokens=8)
+    w = DecodeWorker(spec_model, TieredStore(spec_model.cfg, tier, dtype=spec_model.dtype), max_running=16,
+                     step_config=StepConfig(decode_mode="eager", speculative_adaptive=False))
+    with torch.inference_mode():
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            logits, lay = spec_model.prefill(p, last_only=True)
+            w.submit(DecodeRequest.fresh(f"r{i}", lay, SampledToken(int(logits[-1].argmax())), sp, seed=100 + i,
+                                         prompt_token_ids=p))
+    events, steps, grown = [], 0, 0
+    while w.has_work():
+        if steps % 7 == 6 and len(w.running) > 1:
+            w._pause(next(reversed(w.running)))
+            w.check_integrity()
+        before = {rid: len(r.blocks) for rid, r in w.store.residents.items()}
+        events.extend((e.request_id, e.index, e.token.token_id, e.finish_reason) for e in w.step())
+        grown += sum(1 for rid, r in w.store.residents.items() if len(r.blocks) > before.get(rid, len(r.blocks)))
+        steps += 1
+        w.check_integrity()
+    stats = w.stats()
+    assert sorted(events) == off
+    assert stats["swaps"] >= 3 and stats["resumes"] == stats["swaps"], stats
+    assert grown >= 1  # requests took blocks as they decoded, not all at admission
+    assert stats["speculation"]["acceptance_length"] > 1.2
