@@ -129,25 +129,17 @@ class DraftPolicy:
 
     Expected tokens of a step with n drafts: 1 + sum over k <= n of the product of alpha_1..alpha_k, alpha_k being
     the measured chance that draft k is kept given that the ones before it were. Each candidate count is first
-    tried `probe` times per batch bucket (so an unmeasured count is never assumed cheap); afterwards, per bucket, one
-    step re-measures the count tried longest ago among those that could pay (`could_pay`), so a choice follows a
-    change of load or text while a count slower than its best case is never run again. The steps between two such
-    re-measurements start at `explore_every` and double, up to `explore_max`, while the bucket's best count stays
-    the same (back to `explore_every` when it changes): an exploring step costs up to a few plain ones (its drafts
-    start from an empty ring after plain steps), so a steady choice is re-checked less and less often. With
+    tried `probe` times per batch bucket (so an unmeasured count is never assumed cheap); afterwards one step in
+    `explore_every` re-measures the count tried longest ago among those that could pay (`could_pay`), so a choice
+    follows a change of load or text while a count slower than its best case is never run again. With
     `adaptive` off the policy always drafts `max_tokens`."""
 
     def __init__(self, max_tokens: int, adaptive: bool = True, probe: int = 3, explore_every: int = 50,
-                 decay: float = 0.9, counts: list[int] | None = None, explore_max: int = 3200) -> None:
+                 decay: float = 0.9, counts: list[int] | None = None) -> None:
         self.max_tokens, self.adaptive = max_tokens, adaptive
         self.counts = sorted(set(counts if counts is not None else range(max_tokens + 1)), reverse=True)
         """The draft counts it chooses among (a compiled CPU step holds one graph per count: `StepRunner.spec_counts`)."""
-        self.probe, self.explore_every, self.explore_max, self.decay = probe, explore_every, explore_max, decay
-        self.interval: dict[int, int] = {}
-        """Per batch bucket: steps from one re-measurement to the next (`explore_every` doubling to `explore_max`)."""
-        self.next_explore: dict[int, int] = {}
-        self.best: dict[int, int] = {}
-        """Per batch bucket: the count the last re-measurement found best."""
+        self.probe, self.explore_every, self.decay = probe, explore_every, decay
         self.reached = [1.0] * (max_tokens + 1)  # decayed counts per draft position k (index 1..N)
         self.kept = [0.7] * (max_tokens + 1)
         self.cost: dict[tuple[int, int], float] = {}
@@ -176,17 +168,10 @@ class DraftPolicy:
             unmeasured = [n for n in counts if self.tries.get((bucket, n), 0) < self.probe]
             if unmeasured:
                 n = unmeasured[0]
+            elif self.steps % self.explore_every == 0:
+                n = min(self.could_pay(bucket), key=lambda c: self.last_tried.get((bucket, c), 0))
             else:
                 n = max(counts, key=lambda c: self.expected_tokens(c) / self.cost[(bucket, c)])
-                if bucket not in self.next_explore:
-                    self.interval[bucket] = self.explore_every
-                    self.next_explore[bucket] = self.steps + self.explore_every
-                elif self.steps >= self.next_explore[bucket]:
-                    same = self.best.get(bucket) == n
-                    self.best[bucket] = n
-                    self.interval[bucket] = min(2 * self.interval[bucket], self.explore_max) if same else self.explore_every
-                    self.next_explore[bucket] = self.steps + self.interval[bucket]
-                    n = min(self.could_pay(bucket), key=lambda c: self.last_tried.get((bucket, c), 0))
         per = self.choices.setdefault(bucket, {})
         per[n] = per.get(n, 0) + 1
         return n

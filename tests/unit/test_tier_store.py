@@ -196,3 +196,71 @@ def test_page_allocator_picks_groups_as_a_scan_of_the_owners_would():
     for owner, (group, blocks) in held.items():
         pages.free(owner, group, blocks)
     assert pages.num_free == 64 and pages.group_counts_hold()
+
+
+# --- elastic admission (reserve=estimate) --------------------------------------------------------------------
+
+
+def test_estimate_admits_by_the_prompt_plus_the_estimate(tiny_model):
+    """Same budget, requests asking for 3,000 tokens: `final` holds 12 blocks each, `estimate` the prompt's plus the
+    output estimate's (2 blocks), so more run at once; host blocks are held at the final length under both."""
+    cfg = tiny_model.cfg
+    counts = {}
+    for policy in ("final", "estimate"):
+        store = TieredStore(cfg, TierConfig(offload=True, device_budget_bytes=2 * 2**20, host_pool_bytes=64 * 2**20,
+                                            max_running=64, reserve=policy, output_estimate_tokens=200))
+        worker = DecodeWorker(tiny_model, store, max_running=64, step_config=EAGER)
+        base = _request(tiny_model, "base", 300, 3000)
+        for i in range(20):
+            worker.submit(DecodeRequest.fresh(f"r{i}", base.layout.clone(), base.first_token, base.sampling, 0))
+        worker._admit()
+        r = next(iter(store.residents.values()))
+        assert len(r.host_blocks) == store.geo.blocks_for(3300)
+        assert len(r.blocks) == store.geo.blocks_for(3300 if policy == "final" else 300 + 1 + 200)
+        counts[policy] = len(worker.running)
+        worker.check_integrity()
+    assert counts["estimate"] > 2 * counts["final"], counts
+    with pytest.raises(ValueError, match="reserve must be one of"):
+        TierConfig(reserve="lazy")
+
+
+def test_a_paused_request_holds_host_blocks_only_and_returns_them_when_aborted(tiny_model):
+    store = TieredStore(tiny_model.cfg, TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=3 * 2**20,
+                                                   host_pool_bytes=8 * 2**20, reserve="estimate"))
+    worker = DecodeWorker(tiny_model, store, max_running=4, step_config=EAGER)
+    for i in range(2):
+        worker.submit(_request(tiny_model, f"p{i}", 200 + 10 * i, 100, seed=i))
+    for _ in range(3):
+        worker.step()
+    pages_before = store.pages.num_free
+    held = len(store.residents["p1"].blocks) + store.geo.group_pages
+    worker._pause("p1")
+    assert store.pages.num_free == pages_before + held and store.holds("p1") and "p1" in store.swapped
+    assert store.host_bytes_used() > 0 and store.stats()["swapped_bytes"] == held * store.geo.page_elems * 4
+    worker.check_integrity()
+    # paused requests get the room first: a reservation is refused; at the next step p1 resumes, then "late" joins
+    worker.submit(_request(tiny_model, "late", 50, 20, seed=9))
+    assert not worker.reserve("pd", 300)
+    worker.step()
+    assert not worker.paused and list(worker.running) == ["p0", "p1", "late"] and store.resumes == 1
+    worker._pause("p1")
+    assert worker.abort("p1") and not store.holds("p1") and not worker.paused
+    worker.check_integrity()
+    while worker.has_work():
+        worker.step()
+    assert store.device_bytes_used() == 0 and store.host_bytes_used() == 0 and not store.swapped
+    assert store.pages.num_free == store.geo.num_pages
+
+
+def test_integrity_check_knows_swapped_requests(tiny_model):
+    store = TieredStore(tiny_model.cfg, TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=3 * 2**20,
+                                                   host_pool_bytes=8 * 2**20, reserve="estimate"))
+    worker = DecodeWorker(tiny_model, store, max_running=4, step_config=EAGER)
+    worker.submit(_request(tiny_model, "s0", 300, 50))
+    worker.step()
+    worker._pause("s0")
+    store.check_integrity()
+    b = store.swapped["s0"].resident.host_blocks[0]
+    store.host_alloc.owner[b] = "someone-else"
+    with pytest.raises(IntegrityError, match="host block"):
+        store.check_integrity()
