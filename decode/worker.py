@@ -344,10 +344,10 @@ class DecodeWorker:
         return found
 
     def owned_by(self, owner: str) -> list[str]:
-        """Ids of every request (reserved, arriving or running) collected by `owner`."""
+        """Ids of every request (reserved, arriving, running or paused) collected by `owner`."""
         with self._lock:
             ids = [rid for rid, r in self.reserved.items() if r.owner == owner]
-        return ids + [rid for rid, run in self.running.items() if run.req.owner == owner]
+        return ids + [run.req.request_id for run in [*self.running.values(), *self.paused] if run.req.owner == owner]
 
     def has_work(self) -> bool:
         """Whether `step` has something to do: requests to decode or admit, or a reservation that lapsed."""

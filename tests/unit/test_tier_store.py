@@ -244,6 +244,7 @@ def test_a_paused_request_holds_host_blocks_only_and_returns_them_when_aborted(t
     worker.step()
     assert not worker.paused and list(worker.running) == ["p0", "p1", "late"] and store.resumes == 1
     worker._pause("p1")
+    assert set(worker.owned_by("")) == {"p0", "p1", "late"}  # a gateway that leaves aborts its paused requests too
     assert worker.abort("p1") and not store.holds("p1") and not worker.paused
     worker.check_integrity()
     while worker.has_work():
