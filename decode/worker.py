@@ -509,13 +509,11 @@ class DecodeWorker:
 
     def _make_room(self) -> None:
         """Every running request's blocks cover this step's positions (the most a step may verify), oldest first;
-        while the device has no page for one, the newest running request pauses (possibly that one itself)."""
+        while the device has no page for one, the newest running request pauses (possibly that one itself: alone, it
+        waits for pages that reservations made before prefill hold, which either arrive and run, or lapse)."""
         ahead = 1 + self.spec_tokens
         for rid in list(self.running):
             while rid in self.running and not self.store.grow(rid, ahead):
-                if len(self.running) == 1:  # alone and still no room: the budget check at admission rules this out
-                    raise RuntimeError(f"{rid} cannot grow though it runs alone: the device budget is below its "
-                                       "final length")
                 self._pause(next(reversed(self.running)))
 
     def _pause(self, request_id: str) -> None:

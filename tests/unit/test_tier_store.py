@@ -265,3 +265,30 @@ def test_integrity_check_knows_swapped_requests(tiny_model):
     store.host_alloc.owner[b] = "someone-else"
     with pytest.raises(IntegrityError, match="host block"):
         store.check_integrity()
+
+
+def test_a_request_alone_without_room_pauses_until_a_reservation_returns_its_pages(tiny_model):
+    """Running alone, a request that cannot grow because a reservation made before prefill holds the free pages pauses
+    itself (nothing fails); once the reservation goes, it resumes and finishes."""
+    store = TieredStore(tiny_model.cfg, TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=3 * 2**20,
+                                                   host_pool_bytes=64 * 2**20, reserve="estimate",
+                                                   output_estimate_tokens=16))
+    worker = DecodeWorker(tiny_model, store, max_running=4, step_config=EAGER)
+    worker.submit(_request(tiny_model, "solo", 200, 100))
+    worker.step()
+    assert len(store.residents["solo"].blocks) == 1  # 200 + 1 + 16 tokens: one block of 256
+    g = store.geo
+    assert worker.reserve("pd", (store.pages.num_free - g.group_pages) * g.block_tokens)
+    assert store.pages.num_free == 0
+    for _ in range(100):  # it crosses into its second block after about 40 tokens
+        if worker.paused:
+            break
+        worker.step()
+    worker.step()  # paused, it stays paused: no room
+    assert [run.req.request_id for run in worker.paused] == ["solo"] and not worker.running
+    worker.check_integrity()
+    assert worker.abort("pd")
+    tokens = 0
+    while worker.has_work():
+        tokens += len(worker.step())
+    assert store.resumes == 1 and tokens > 0 and store.pages.num_free == g.num_pages
