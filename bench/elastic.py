@@ -43,23 +43,12 @@ def _model_and_tokenizer():
 
 
 def requests(model, prompts: list[list[int]], n: int, max_tokens: int, stops: tuple[int, int]) -> list[tuple[object, int]]:
-    """`n` prefilled greedy requests over `prompts` (cycled), each with the count its client stops after."""
-    from core.types import SampledToken, SamplingParams
-    from decode.worker import DecodeRequest
+    """`n` prefilled greedy requests over `prompts` (cycled, `bench.speculative.greedy_requests`), each with the count
+    its client stops after, spread evenly over `stops`."""
+    from bench.speculative import greedy_requests
 
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     lo, hi = stops
-    prefilled = {}
-    out = []
-    for i in range(n):
-        j = i % len(prompts)
-        if j not in prefilled:
-            logits, lay = model.prefill(prompts[j], last_only=True)
-            prefilled[j] = (int(logits[-1].argmax()), lay)
-        first, lay = prefilled[j]
-        stop = lo + (hi - lo) * i // max(1, n - 1)
-        out.append((DecodeRequest.fresh(f"e{i}", lay, SampledToken(first), sp, seed=i), stop))
-    return out
+    return [(r, lo + (hi - lo) * i // max(1, n - 1)) for i, r in enumerate(greedy_requests(model, prompts, n, max_tokens, "e"))]
 
 
 def serve(model, reqs: list[tuple[object, int]], tier: TierConfig, max_running: int) -> tuple[dict, dict[str, list[int]]]:

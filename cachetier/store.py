@@ -297,9 +297,9 @@ class TieredStore(KVStore):
             raise ValueError(f"request {request_id} holds no reserved pages")
         if r.filled:
             raise ValueError(f"request {request_id} is already filled")
-        if layout.num_tokens + 1 > min(r.reserve_tokens, len(r.blocks) * self.geo.block_tokens):
-            raise ValueError(f"the layout of {request_id} has {layout.num_tokens} tokens but only "
-                             f"{min(r.reserve_tokens, len(r.blocks) * self.geo.block_tokens)} were reserved")
+        room = min(r.reserve_tokens, len(r.blocks) * self.geo.block_tokens)
+        if layout.num_tokens + 1 > room:
+            raise ValueError(f"the layout of {request_id} has {layout.num_tokens} tokens but only {room} were reserved")
         r.blocks_t = torch.from_numpy(r.blocks_np).to(self.device, non_blocking=True)
         r.host_blocks_t = torch.from_numpy(r.host_blocks_np if len(r.host_blocks_np) else np.zeros(1, np.int64))
         self._write_layout(r, layout)
@@ -428,12 +428,17 @@ class TieredStore(KVStore):
         if not g.offload:
             out["c4"] = g.block_fields["c4"].row(pb, e % g.e4)
             return out
-        out["map"] = (r.blocks_t[:, None] * g.e4 + torch.arange(g.e4, device=dev)).flatten()
+        out["map"] = self._map_rows(r.blocks_t)
         if g.reserved and n:
             newest = e[max(0, n - g.reserved):]
             out["slots"] = g.lru + newest % g.reserved
             out["hot_rows"] = block_rows(r.blocks_t, newest, g.e4)
         return out
+
+    def _map_rows(self, blocks_t: torch.Tensor) -> torch.Tensor:
+        """The hot tier's entry-map rows of every C4 entry of these pages."""
+        e4 = self.geo.e4
+        return (blocks_t[:, None] * e4 + torch.arange(e4, device=self.device)).flatten()
 
     def _write_c4_host(self, r: Resident, j: int, lk, rows: dict[str, torch.Tensor]) -> None:
         """CSA layer j's C4 entries into the request's host blocks, whole blocks at a time, and fresh bookkeeping:
@@ -485,8 +490,7 @@ class TieredStore(KVStore):
             new = self.pages.allocate_blocks(request_id, need)
         self._set_blocks(r, r.blocks + new)
         if self.hot is not None:
-            new_t = r.blocks_t[-need:]
-            rows = (new_t[:, None] * self.geo.e4 + torch.arange(self.geo.e4, device=self.device)).flatten()
+            rows = self._map_rows(r.blocks_t[-need:])
             for j in range(len(self.geo.csa_layers)):
                 self.hot.unmap(j, rows)
         return True

@@ -322,8 +322,7 @@ class DecodeWorker:
         if request_id in self.running:
             self._leave([request_id])
             found = True
-        elif any(run.req.request_id == request_id for run in self.paused):
-            run = next(run for run in self.paused if run.req.request_id == request_id)
+        elif (run := next((run for run in self.paused if run.req.request_id == request_id), None)) is not None:
             self.paused.remove(run)
             self._release(request_id, run)
             found = True
@@ -357,7 +356,7 @@ class DecodeWorker:
             return bool(self.reserved) and min(r.deadline for r in self.reserved.values()) < time.monotonic()
 
     def idle(self) -> bool:
-        """Nothing held at all: no request running, queued, arriving or reserved."""
+        """Nothing held at all: no request running, paused, queued, arriving or reserved."""
         return not (self.running or self.waiting or self.arrivals or self.reserved or self.paused)
 
     def take_failures(self) -> list[Failure]:
