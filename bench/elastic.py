@@ -1,10 +1,18 @@
 """The elastic tier, measured side by side in one run (prints one JSON object).
 
     python -m bench.elastic [--quick] [--requests 32] [--max-tokens 16384] [--stop-after 128,448]
-                            [--budget 2MiB] [--threads N]
+                            [--budget 2MiB] [--threads N] [--batches 1,4,16] [--step compiled|eager]
 
-Built so far: swap-out instead of reserving at the final length (`TierConfig.reserve`, `cachetier.admission`).
-A workload whose clients ask for `--max-tokens` but stop after a few hundred tokens (each request is aborted,
+Built so far: resident C4 entries while there is room (`TierConfig.resident`, `cachetier.residency`) and
+swap-out instead of reserving at the final length (`TierConfig.reserve`, `cachetier.admission`).
+
+1. low load (`low_load`): decode step time at 1, 4 and 16 running requests with room to spare, tier off, tier on
+   as it was (every C4 read through the hot buffer) and tier on with residency, run by turns for `--repeats`
+   rounds through the compiled step (Inductor), medians and the ratios on / off; greedy tokens must be identical.
+2. full load (`full_load`): requests of `--full-context` tokens admitted under one budget until admission stops
+   (`bench.tier.admit_until_full`, the store rebalancing between admissions as before each step), tier off, on,
+   and on with residency: residency must give the room back, so the last two admit the same.
+3. swap-out (`swap_out`): a workload whose clients ask for `--max-tokens` but stop after a few hundred tokens (each request is aborted,
 as a client that closes its stream, after a count spread evenly over `--stop-after`), all queued at once on one
 decode worker over the trained built-in model, tier on, eager step, greedy. Two admission policies under the
 same device budget:
@@ -14,9 +22,8 @@ same device budget:
 Reported per policy: wall time, decode tokens/s, completed requests, the most that decoded at once, pauses and
 resumes; and whether every request's tokens were the same under both (they must be).
 
-The other figures the elastic tier is to report (tier-on ÷ tier-off step time at low load, tokens admitted under
-full load, bytes for requests sharing a prefix, handoff bytes per turn) belong to parts not built yet; they are
-listed under `not_measured`.
+The other figures the elastic tier is to report (bytes for requests sharing a prefix, handoff bytes per turn)
+belong to parts not built yet; they are listed under `not_measured`.
 
 `--quick`: a smoke run of a few seconds.
 """
@@ -30,7 +37,7 @@ import time
 import torch
 
 from bench.common import emit, environment, progress
-from core.configs import EAGER_STEP, TierConfig, parse_bytes
+from core.configs import EAGER_STEP, StepConfig, TierConfig, parse_bytes
 
 
 def _model_and_tokenizer():
@@ -108,6 +115,90 @@ def swap_out(model, prompts, n: int, max_tokens: int, stops: tuple[int, int], bu
     return out
 
 
+LOW_LOAD_TIERS = {"off": {"offload": False}, "on": {"offload": True}, "on_resident": {"offload": True, "resident": True}}
+
+
+def low_load(model, prompts: list[list[int]], batches: list[int], tokens: int, repeats: int, step, budget: int) -> dict:
+    """Step time tier off / on / on with residency at each batch, with room to spare (see the module docstring)."""
+    import statistics
+
+    from bench.speculative import drive, greedy_requests
+    from cachetier.store import TieredStore
+    from decode.worker import DecodeWorker
+
+    cap = max(batches)
+    workers = {}
+    for name, kw in LOW_LOAD_TIERS.items():
+        progress(f"low load: building the {name} worker ({step.decode_mode} step"
+                 + ("; compiling, minutes from an empty Inductor cache" if step.decode_mode == "compiled" else "") + ")")
+        tier = TierConfig(device_budget_bytes=budget, host_pool_bytes=4 * budget, max_running=cap, **kw)
+        workers[name] = DecodeWorker(model, TieredStore(model.cfg, tier, dtype=model.dtype), max_running=cap,
+                                     step_config=step, check_when_idle=False)
+    out = {"step": step.decode_mode, "prompt_tokens": len(prompts[0]), "tokens_per_request": tokens, "repeats": repeats,
+           "device_budget_bytes": budget, "compiles": {n: w.stats()["step"].compiles for n, w in workers.items()},
+           "by_batch": {}}
+    identical = True
+    for batch in batches:
+        reqs = greedy_requests(model, prompts, batch, tokens, f"l{batch}-")
+        ms: dict[str, list[float]] = {name: [] for name in workers}
+        ref = None
+        for rep in range(repeats):
+            for name, w in workers.items():  # by turns: the three share whatever else the machine does
+                before = dict(w.store.counter_totals())
+                run = drive(w, reqs, warmup_steps=2)
+                ms[name].append(1e3 * run.seconds / max(1, run.steps - 2))
+                if name == "on_resident":
+                    after = w.store.counter_totals()
+                    misses = after["misses"] - before["misses"]
+                    kinds = dict(w.store.mode_steps)
+                ref = ref or run.tokens
+                identical &= run.tokens == ref
+            progress(f"low load batch {batch} repeat {rep + 1}/{repeats}: "
+                     + ", ".join(f"{k} {v[-1]:.2f} ms" for k, v in ms.items()))
+        med = {name: statistics.median(v) for name, v in ms.items()}
+        out["by_batch"][str(batch)] = {
+            **{f"step_ms_{name}": round(v, 3) for name, v in med.items()},
+            "ratio_on_off": round(med["on"] / med["off"], 3),
+            "ratio_on_resident_off": round(med["on_resident"] / med["off"], 3),
+            "step_ms_all_repeats": {name: [round(x, 3) for x in v] for name, v in ms.items()},
+            "on_resident_misses_last_repeat": misses,
+        }
+    out["on_resident_view_kinds"] = kinds
+    for w in workers.values():
+        w.close()
+    out["identical_tokens"] = identical
+    return out
+
+
+def full_load(context: int, max_tokens: int, budget: int) -> dict:
+    """Requests admitted under one budget until admission stops: tier off, on, on with residency."""
+    import dataclasses as dc
+
+    from bench.tier import admit_until_full, synthetic_layout
+    from cachetier.store import TieredStore
+    from core.types import SamplingParams
+    from model.builtin import tiny_config
+
+    cfg = tiny_config()
+    lay = synthetic_layout(cfg, context)
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    out = {"context": context, "max_tokens": max_tokens, "device_budget_bytes": budget, "layouts": "synthetic", "by_tier": {}}
+    for name, kw in LOW_LOAD_TIERS.items():
+        tier = TierConfig(device_budget_bytes=budget, max_running=100_000, host_pool_bytes=16 * budget if kw["offload"] else None,
+                          **kw)
+        store = TieredStore(dc.replace(cfg), tier)
+        n = admit_until_full(store, lay, sp)
+        st = store.stats()
+        out["by_tier"][name] = {"requests": n, "tokens": n * context, "pages_free_at_end": st["pages_free"],
+                                **({k: st[k] for k in ("promotions", "demotions", "resident_requests")} if kw.get("resident") else {})}
+        store.close()
+        progress(f"full load at {context}: {name} admits {n}")
+    t = out["by_tier"]
+    out["ratio_on_off"] = round(t["on"]["tokens"] / max(1, t["off"]["tokens"]), 3)
+    out["ratio_on_resident_off"] = round(t["on_resident"]["tokens"] / max(1, t["off"]["tokens"]), 3)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -118,6 +209,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budget", default="2MiB", help="device budget (default: about two requests at the final length)")
     ap.add_argument("--max-running", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--batches", default=None, help="low-load batches (default 1,4,16; quick 1,2)")
+    ap.add_argument("--low-tokens", type=int, default=None, help="tokens per request in the low-load runs (default 64)")
+    ap.add_argument("--low-prompt-tokens", type=int, default=None, help="prompt of the low-load runs (default 1024)")
+    ap.add_argument("--repeats", type=int, default=None, help="low-load rounds (default 3)")
+    ap.add_argument("--step", choices=["compiled", "eager"], default=None, help="low-load step (default compiled; quick eager)")
+    ap.add_argument("--low-budget", default="64MiB", help="low-load device budget (room to spare)")
+    ap.add_argument("--full-context", type=int, default=None, help="full-load context (default 131000; quick 8192)")
+    ap.add_argument("--full-budget", default="256MiB")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -128,17 +227,24 @@ def main(argv: list[str] | None = None) -> None:
     stops = tuple(int(x) for x in (a.stop_after or ("8,24" if a.quick else "128,448")).split(","))
     prompts = [ids for _, ids in held_out_prompts(tok, 8, a.prompt_tokens if not a.quick else 48)]
     out = {"bench": "elastic", "env": environment(), "model": "built-in (trained)", "quick": a.quick}
+    q = a.quick
+    step = {"compiled": StepConfig(decode_mode="compiled"), "eager": EAGER_STEP}[a.step or ("eager" if q else "compiled")]
+    low_prompts = [ids for _, ids in held_out_prompts(tok, 16, a.low_prompt_tokens or (64 if q else 1024))]
     with torch.inference_mode():
+        out["low_load"] = low_load(model, low_prompts, [int(x) for x in (a.batches or ("1,2" if q else "1,4,16")).split(",")],
+                                   a.low_tokens or (8 if q else 64), a.repeats or (1 if q else 3), step,
+                                   parse_bytes(a.low_budget))
+        out["full_load"] = full_load(a.full_context or (8192 if q else 131000), 256, parse_bytes(a.full_budget))
         out["swap_out"] = swap_out(model, prompts, n, a.max_tokens, stops, parse_bytes(a.budget), a.max_running)
     out["not_measured"] = {
-        "step_ratio_at_low_load": "needs full-resident C4 entries until pressure (not built)",
-        "tokens_admitted_under_full_load": "needs full-resident C4 entries until pressure (not built)",
         "shared_prefix_bytes": "needs shared, reference-counted pages (not built)",
         "handoff_bytes_per_turn": "needs finished layouts kept for follow-up turns (not built)",
     }
     emit(out)
     if not out["swap_out"]["identical_tokens"]:
         raise SystemExit("the two admission policies gave different tokens")
+    if not out["low_load"]["identical_tokens"]:
+        raise SystemExit("tier off, on and on with residency gave different tokens")
 
 
 if __name__ == "__main__":

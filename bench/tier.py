@@ -82,14 +82,33 @@ def prefilled_layout(model, tokens: int, max_tokens: int, seed: int = 0) -> tupl
     return done[0].layout, time.perf_counter() - t0
 
 
+def admit_until_full(store, lay: KVLayout, sp) -> int:
+    """Submit copies of one layout to a decode worker over `store` (admission only, no decoding) until admission
+    stops; the number admitted. The store rebalances between admissions as it would before each step (a store that
+    keeps entries resident while it has room grows them, then shrinks them for the next admission)."""
+    from core.types import SampledToken
+    from decode.worker import DecodeRequest, DecodeWorker
+
+    worker = DecodeWorker(None, store, max_running=100_000, eos_ids=())
+    admitted = 0
+    while True:
+        worker.submit(DecodeRequest.fresh(f"c{admitted}", lay, SampledToken(7), sp, 0))
+        worker._admit()
+        if len(worker.running) == admitted:
+            break
+        admitted = len(worker.running)
+        store.rebalance()
+    worker.check_integrity()
+    return admitted
+
+
 def capacity(budget: int, contexts: list[int], max_tokens: int, real: bool = False, kv_format: str = "bf16",
              cfg=None) -> dict:
     """`cfg` (synthetic layouts only): the geometry to measure (default the built-in model's)."""
     import dataclasses
 
     from cachetier.store import TieredStore
-    from core.types import SampledToken, SamplingParams
-    from decode.worker import DecodeRequest, DecodeWorker
+    from core.types import SamplingParams
     from model.builtin import tiny_config
 
     model = _model().set_kv_format(kv_format) if real else None
@@ -109,15 +128,7 @@ def capacity(budget: int, contexts: list[int], max_tokens: int, real: bool = Fal
             tier = TierConfig(offload=offload, device_budget_bytes=budget, max_running=100_000,
                               host_pool_bytes=16 * budget if offload else None)
             store = TieredStore(cfg, tier)
-            worker = DecodeWorker(None, store, max_running=100_000, eos_ids=())  # admission only, no decoding
-            admitted = 0
-            while True:
-                worker.submit(DecodeRequest.fresh(f"c{admitted}", lay, SampledToken(7), sp, 0))
-                worker._admit()
-                if len(worker.running) == admitted:
-                    break
-                admitted = len(worker.running)
-            worker.check_integrity()
+            admitted = admit_until_full(store, lay, sp)
             key = "on" if offload else "off"
             row[f"requests_{key}"] = admitted
             row[f"tokens_{key}"] = admitted * ctx

@@ -63,6 +63,15 @@ def block_rows(table: torch.Tensor, entries: torch.Tensor, per_block: int) -> to
     return table.gather(-1, entries // per_block) * per_block + entries % per_block
 
 
+def resident_c4_rows(table: torch.Tensor, j: int, entries: torch.Tensor, geo: "Geometry") -> torch.Tensor:
+    """Arena rows (of `geo.md` elements) of C4 entries (>= 0, [..., n]) of CSA layer j of requests whose C4 entries are
+    resident: `table` [..., blocks x c4_pages_per_block] lists each block's C4 pages. A block's entries lie layer after
+    layer (e4 each) across its C4 pages, `c4_rows_per_page` rows a page."""
+    rpp, kq, e4 = geo.c4_rows_per_page, geo.c4_pages_per_block, geo.e4
+    flat = j * e4 + entries % e4  # the entry's row among its block's C4 rows
+    return table.gather(-1, (entries // e4) * kq + flat // rpp) * rpp + flat % rpp
+
+
 def mtp_ring_slots(cfg: ModelConfig, draft_tokens: int) -> int:
     """Slots of a request's MTP window ring when it drafts up to `draft_tokens` tokens a step: the window plus one
     slot per draft token, so no draft write lands on an entry a query of the next step can see (`model.mtp`)."""
@@ -163,6 +172,13 @@ class Geometry:
                 continue
             add(name, shape, rowed)
         self.page_elems = max(end(), self.align)
+        self.resident = bool(tier.resident and self.offload and n_csa)
+        """Requests may keep their C4 entries on the device in full while there is room (`TierConfig.resident`): in
+        pages of their own from the same pool, `c4_pages_per_block` per classical block."""
+        self.c4_rows_per_page = self.page_elems // md if self.resident else 0
+        self.c4_pages_per_block = math.ceil(n_csa * self.e4 / self.c4_rows_per_page) if self.resident else 0
+        if self.resident and (self.page_elems % md or not self.c4_rows_per_page):
+            raise ValueError(f"a page of {self.page_elems} elements does not hold whole C4 rows of {md}")
 
         # state group layout
         self.state_fields: dict[str, Field] = {}

@@ -89,17 +89,19 @@ class HotTier:
     # the step (the step view) ---------------------------------------------------------------------------
 
     def append(self, j: int, emit: torch.Tensor, e: torch.Tensor, host_rows: torch.Tensor, groups: torch.Tensor,
-               gbase: torch.Tensor, entries: torch.Tensor, map_rows_of, put) -> None:
+               gbase: torch.Tensor, entries: torch.Tensor, map_rows_of, put, ring: torch.Tensor | None) -> None:
         """A step's new C4 entry e [rows] of CSA layer j, for the rows that `emit`: its authoritative copy to the
         host pool (host_rows), and into the ring of the hot buffer (the entry leaving the ring is unmapped).
         `map_rows_of(e)` gives entries' map rows; `put(rows, values)` writes arena rows of one vector (the step
-        view's single scatter into the arena). Rows that do not emit write to scratch only."""
+        view's single scatter into the arena). Rows that do not emit write to scratch only. `ring`: the rows whose ring
+        takes the entry (`emit`, less the rows whose C4 entries are resident; None: no row's)."""
         g = self.geo
         host_rows = torch.where(emit, host_rows, self.host_scratch_row)
         write_rows(self.host_view, j, host_rows, entries.to(self.host_view.dtype))
         self.host_writes[j : j + 1].add_(emit.sum())
-        if not g.reserved:
+        if not g.reserved or ring is None:
             return
+        emit = ring
         entry_map = self.entry_map[j]
         dump = entry_map.shape[0] - 1  # a scratch-page element
         old = e - g.reserved  # the entry leaving the ring
@@ -126,9 +128,11 @@ class HotTier:
         return {"hits": c[HITS], "misses": c[MISSES], "evictions": c[EVICTIONS],
                 "bytes_h2d": c[MISSES] * g.main_bytes + self.bytes_h2d_admit, "bytes_d2h": c[3] * g.main_bytes}
 
-    def check(self, request_id: str, group: int, blocks: torch.Tensor, host_blocks: torch.Tensor, num_entries: int) -> list[str]:
+    def check(self, request_id: str, group: int, blocks: torch.Tensor, host_blocks: torch.Tensor, num_entries: int,
+              resident: bool = False) -> list[str]:
         """What is wrong with one request's hot buffers (empty: nothing). Reads each layer's bookkeeping to the host
-        once (not one sync per slot)."""
+        once (not one sync per slot). `resident`: its C4 entries are on the device in pages of their own, so its hot
+        buffers must hold nothing."""
         g, n = self.geo, num_entries
         e = torch.arange(n, device=self.device)
         rows = block_rows(blocks, e, g.e4)
@@ -152,7 +156,10 @@ class HotTier:
                 hot = self.hot_view(j)[group, torch.tensor([slots[i] for i in mapped], device=self.device)]
                 if not torch.equal(hot.cpu(), self.host.kv[j, host_rows[torch.tensor(mapped)]]):
                     problems.append(f"{request_id} layer {j}: a hot slot differs from its host copy")
-            if g.reserved:
+            if resident:
+                if held or mapped:
+                    problems.append(f"{request_id} layer {j}: resident, yet {len(held)} hot slots held, {len(mapped)} mapped")
+            elif g.reserved:
                 newest = set(range(max(0, n - g.reserved), n))
                 ring = {pos.get(entry_row[g.lru + k], -1) for k in range(g.reserved) if entry_row[g.lru + k] >= 0}
                 if ring != newest:

@@ -89,13 +89,17 @@ class PageAllocator:
 
     def free(self, owner: str, group: int, blocks: list[int]) -> None:
         start = group * self.group_pages
-        for p in [*range(start, start + self.group_pages), *blocks]:
+        self.free_blocks(owner, [*range(start, start + self.group_pages), *blocks])
+
+    def free_blocks(self, owner: str, pages: list[int]) -> None:
+        """Return single pages of `owner` (a request that keeps running: its resident C4 pages)."""
+        for p in pages:
             if self.owner[p] != owner:
                 raise RuntimeError(f"page {p} is owned by {self.owner[p]!r}, not {owner!r}")
             self.owner[p] = None
             self._count(p, -1)
             heapq.heappush(self._free_heap, p)
-        self.num_free += self.group_pages + len(blocks)
+        self.num_free += len(pages)
 
 
 @dataclass

@@ -30,9 +30,19 @@ class Resident:
     """The first position whose MTP entry this request's ring holds (speculation; set when it is filled)."""
     filled: bool = False
     """False while the pages are only reserved (the layout has not arrived yet)."""
+    c4_pages: list[int] = field(default_factory=list)
+    """Tier on, `TierConfig.resident`: the device pages holding all its C4 entries (`Geometry.c4_pages_per_block` per
+    block, in block order) while it is resident; empty while it reads them through its hot buffer."""
+    c4_np: np.ndarray = field(repr=False, default=None)
+    c4_t: torch.Tensor = field(repr=False, default=None)
     tables_version: int = 0
     """Bumped whenever its pages change while it runs (it grew, or came back from host memory in other pages), so a
     step view rebuilds the block tables it keeps."""
+
+
+def is_resident(r: Resident) -> bool:
+    """Whether a request's C4 entries are all on the device (its steps read them there, not through its hot buffer)."""
+    return bool(r.c4_pages)
 
 
 def tables_key(residents: list[Resident]) -> tuple:

@@ -35,7 +35,7 @@ from cachetier.batch import Segment, entry_counts
 from cachetier.geometry import block_rows
 from cachetier.layout import C4
 from cachetier.resident import Resident, group_of, num_tokens_of, tables_key
-from cachetier.tiered_batch import TieredBatch
+from cachetier.tiered_batch import MIXED, RESIDENT, TIERED, TieredBatch
 
 NOT_VERIFIED = -1
 """The offset of a row whose position is not verified this step (padding)."""
@@ -47,10 +47,11 @@ class SpecBatch(TieredBatch):
     META_ROWS = 5
     """positions, state groups, input tokens, each row's offset j (NOT_VERIFIED: padding), its MTP ring's floor."""
 
-    def __init__(self, cfg, geo, arena, hot, device, requests: int, num_blocks: int, span: int) -> None:
+    def __init__(self, cfg, geo, arena, hot, device, requests: int, num_blocks: int, span: int,
+                 c4_mode: str = TIERED) -> None:
         if span < 2:
             raise ValueError(f"a speculative view verifies at least 2 positions per request, got {span}")
-        super().__init__(cfg, geo, arena, hot, device, requests * span, num_blocks)
+        super().__init__(cfg, geo, arena, hot, device, requests * span, num_blocks, c4_mode)
         self.span = span
         self.spec_bucket = (requests, num_blocks, span)
         self.offsets, self.mtp_floor = self._meta.unbind(0)[3:5]
@@ -108,16 +109,7 @@ class SpecBatch(TieredBatch):
         key = tables_key(residents)
         self.residents = list(residents)
         if key != self._tables_for:
-            tables = self._tables_host.numpy().reshape(2, R, S, -1)
-            width = tables.shape[-1]
-            tables[0], tables[1] = g.scratch_page, g.num_host_blocks
-            for i, r in enumerate(residents):
-                nb = min(len(r.blocks_np), width)
-                tables[0, i, :, :nb] = r.blocks_np[:nb]
-                nh = min(len(r.host_blocks_np), width)
-                tables[1, i, :, :nh] = r.host_blocks_np[:nh]
-            if self._tables is not self._tables_host:
-                self._tables.copy_(self._tables_host, non_blocking=True)
+            self._fill_tables(residents, S)
             self._tables_for = key
         if self._meta is not self._meta_host:
             self._meta.copy_(self._meta_host, non_blocking=True)
@@ -218,19 +210,30 @@ class SpecBatch(TieredBatch):
         valid = (ids >= 0) & self.verified[:, None]
         old = valid & (ids < (self.base // rate)[:, None])  # complete before this step: in the host pool
         new = valid & ~old  # emitted by a position of this step
-        union = torch.where(old, ids, -1).view(R, S * k)  # one resolve row per request: its positions' union
-        safe = union.clamp(min=0)
-        blocks, host_blocks, groups = self._first(self.blocks), self._first(self.host_blocks), self._first(self.groups)
-        hot_rows = g.state_fields["hot"].row(self._first(self.gbase), j * g.hot_slots)  # [requests]
-        slots = self._resolve(union, block_rows(blocks, safe, g.e4), self.hot.host.rows(host_blocks, safe), groups,
-                              hot_rows, j).view(R * S, k)
         pool = self.arena.view(-1, g.md)
-        held = pool[(hot_rows.repeat_interleave(S)[:, None] + slots).clamp(min=0)]  # [rows, k, row]
+        if self.c4_mode != TIERED:  # what resident rows read: their C4 pages
+            direct = pool[self._resident_rows(j, torch.where(old, ids, 0))]  # [rows, k, row]
+        if self.c4_mode == RESIDENT:
+            held, found = direct, old
+        else:
+            res = self.resident_rows[:, None] if self.c4_mode == MIXED else None
+            asked = old if res is None else old & ~res  # a resident request's rows resolve nothing
+            union = torch.where(asked, ids, -1).view(R, S * k)  # one resolve row per request: its positions' union
+            safe = union.clamp(min=0)
+            blocks, host_blocks, groups = self._first(self.blocks), self._first(self.host_blocks), self._first(self.groups)
+            hot_rows = g.state_fields["hot"].row(self._first(self.gbase), j * g.hot_slots)  # [requests]
+            slots = self._resolve(union, block_rows(blocks, safe, g.e4), self.hot.host.rows(host_blocks, safe), groups,
+                                  hot_rows, j).view(R * S, k)
+            held = pool[(hot_rows.repeat_interleave(S)[:, None] + slots).clamp(min=0)]  # [rows, k, row]
+            found = old & (slots >= 0)
+            if res is not None:
+                held = torch.where(res[..., None], direct, held)
+                found = torch.where(res, old, found)
         _, entries = self._pend[("c4", layer)]
         by = ((ids + 1) * rate - 1 - self.base[:, None]).clamp(0, S - 1)  # the row of this step that emitted it
         own = entries.view(R, S, -1)[self._r[:, None], by].to(pool.dtype)
         seen = torch.where(new[..., None], own, held)
-        ok = new | (old & (slots >= 0))
+        ok = new | found
         rows = torch.arange(R * S, device=ids.device)[:, None] * k + torch.arange(k, device=ids.device)
         return Segment(seen.flatten(0, 1), torch.where(ok, rows, -1))
 

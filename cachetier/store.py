@@ -20,13 +20,14 @@ import torch
 from cachetier.admission import ReservePolicy
 from cachetier.batch import INDEX, MAIN, DecodeKV, LayoutBatch
 from cachetier.buckets import context_blocks
-from cachetier.geometry import Field, Geometry, block_rows
+from cachetier.geometry import Field, Geometry, block_rows, resident_c4_rows
 from cachetier.hot_tier import HotTier
 from cachetier.layout import KVLayout
 from cachetier.pages import BlockAllocator, OutOfPages, PageAllocator
-from cachetier.resident import Resident, num_tokens_of
+from cachetier.residency import ResidencyPolicy
+from cachetier.resident import Resident, is_resident, num_tokens_of
 from cachetier.spec_batch import SpecBatch
-from cachetier.tiered_batch import TieredBatch
+from cachetier.tiered_batch import MIXED, RESIDENT, TIERED, TieredBatch
 from core import device as devices
 from core.config import ModelConfig
 from core.configs import TierConfig
@@ -113,6 +114,11 @@ class KVStore(ABC):
         """Bring a swapped-out request back onto the device (False: its pages, plus `spare_blocks`, are not free)."""
         raise NotImplementedError(f"{type(self).__name__} does not swap requests out")
 
+    def rebalance(self) -> bool:
+        """Step thread, before a step: let a store that keeps some requests' entries on the device while it has room
+        adjust to the room now (`cachetier.residency`); True when it freed pages for an admission."""
+        return False
+
     def finished(self, request_id: str, generated: int) -> None:  # noqa: B027 - only an estimating store listens
         """A request is about to leave after generating `generated` tokens (the admission estimate learns from it)."""
 
@@ -122,13 +128,18 @@ class KVStore(ABC):
 
     def step_view(
         self, request_ids: list[str], num_rows: int, num_blocks: int | None = None, tokens: list[int] | None = None,
-        min_blocks: int = 1, private: bool = False,
+        min_blocks: int = 1, private: bool = False, c4_mode: str | None = None,
     ) -> DecodeKV | None:
         """The persistent view of a fixed-shape step (`num_rows` rows, `num_blocks` context blocks, or the
         bucket these requests need but at least `min_blocks`), loaded with these requests and their input
         tokens; None if this store cannot run one. `private`: a new view nobody else holds (a background
-        compiler runs scratch steps on it while the step thread uses the persistent ones)."""
+        compiler runs scratch steps on it while the step thread uses the persistent ones). `c4_mode`: one of
+        `view_modes()` (None: the one these requests need)."""
         return None
+
+    def view_modes(self) -> list[str | None]:
+        """The kinds of view this store's fixed-shape steps use: a compiled step warms one graph up for each."""
+        return [None]
 
     def bucket_blocks(self, request_ids: list[str], span: int = 1) -> int:
         """The block-table width (context bucket) a fixed-shape step over these requests needs, each verifying `span`
@@ -214,6 +225,14 @@ class TieredStore(KVStore):
         self.swapped: dict[str, Swapped] = {}
         """Requests paused with their device state in host memory (`swap_out`): they hold host blocks, no pages."""
         self.swaps = self.resumes = 0
+        self.residency = ResidencyPolicy(g.group_pages, self.grows) if g.resident else None
+        """Who keeps C4 entries resident on the device (`TierConfig.resident`; None: nobody)."""
+        self.split_views = True
+        """With residency: whether a step whose every request is resident gets a view of its own (no resolve at all).
+        A runner that replays CUDA graphs per bucket turns it off: one mixed view per bucket serves every state."""
+        self.promotions = self.demotions = 0
+        self.mode_steps: dict[str, int] = {}
+        """Views loaded for a step, per kind (`c4_mode`): how often a step read C4 entries which way."""
         self._alloc_lock = threading.Lock()  # reservations come from the actor's loop, frees from its step thread
         self._views: dict[tuple[int, int], TieredBatch] = {}
         self._staging: torch.Tensor | None = None  # pinned (CUDA): layouts cross to the device through it
@@ -267,7 +286,15 @@ class TieredStore(KVStore):
         with self._alloc_lock:
             if self.host_alloc is not None and self.host_alloc.num_free < nh:
                 return False
-            return self.pages.can_allocate(nb)
+            return self._pages_free_for(nb)
+
+    def _pages_free_for(self, nb: int) -> bool:
+        """Whether a state group and `nb` blocks are free now (lock held); if not, residency learns the demand."""
+        if self.pages.can_allocate(nb):
+            return True
+        if self.residency is not None:
+            self.residency.refused(self.geo.group_pages + nb)
+        return False
 
     def reserve(self, request_id: str, reserve_tokens: int, context_tokens: int | None = None) -> bool:
         """Take a state group and the blocks the reserve policy gives a request of `reserve_tokens` tokens now, and its
@@ -278,8 +305,10 @@ class TieredStore(KVStore):
                 raise ValueError(f"request {request_id} already holds pages")
             if self.host_alloc is not None and self.host_alloc.num_free < nh:
                 return False
-            if not self.pages.can_allocate(nb):
+            if not self._pages_free_for(nb):
                 return False
+            if self.residency is not None:
+                self.residency.admitted()
             group, blocks = self.pages.allocate(request_id, nb)
             host_blocks = self.host_alloc.allocate(request_id, nh) if self.host_alloc is not None else []
             # host bookkeeping only: a reservation comes from the actor's event loop, and every device
@@ -311,9 +340,11 @@ class TieredStore(KVStore):
         return request_id in self.residents or request_id in self.swapped
 
     def capacity(self) -> dict:
-        """Free and total pages and host blocks (what routing decisions read)."""
+        """Free and total pages and host blocks (what routing decisions read). Resident C4 pages count as free: the
+        next step gives them back to an admission that needs them (`cachetier.residency`)."""
         with self._alloc_lock:
-            return {"pages_free": self.pages.num_free, "pages_total": self.geo.num_pages,
+            reclaimable = sum(len(r.c4_pages) for r in self.residents.values())
+            return {"pages_free": self.pages.num_free + reclaimable, "pages_total": self.geo.num_pages,
                     "host_blocks_free": self.host_alloc.num_free if self.host_alloc else 0,
                     "host_blocks_total": self.host_alloc.num_blocks if self.host_alloc else 0}
 
@@ -468,7 +499,7 @@ class TieredStore(KVStore):
                 r = self.swapped.pop(request_id).resident
             else:
                 r = self.residents.pop(request_id)
-                self.pages.free(request_id, r.group, r.blocks)
+                self.pages.free(request_id, r.group, r.blocks + r.c4_pages)
             if self.host_alloc is not None:
                 self.host_alloc.free(request_id, r.host_blocks)
 
@@ -484,16 +515,26 @@ class TieredStore(KVStore):
         need = self.geo.blocks_for(min(r.num_tokens + ahead, r.reserve_tokens)) - len(r.blocks)
         if need <= 0:
             return True
+        if self.pages.num_free < self._growth_pages(r, need):
+            self._reclaim(self._growth_pages(r, need))  # resident C4 pages go first (possibly this request's own)
+        total = self._growth_pages(r, need)
         with self._alloc_lock:
-            if self.pages.num_free < need:
+            if self.pages.num_free < total:
                 return False
             new = self.pages.allocate_blocks(request_id, need)
+            c4 = self.pages.allocate_blocks(request_id, total - need)
         self._set_blocks(r, r.blocks + new)
+        if c4:
+            self._set_c4(r, r.c4_pages + c4)
         if self.hot is not None:
             rows = self._map_rows(r.blocks_t[-need:])
             for j in range(len(self.geo.csa_layers)):
                 self.hot.unmap(j, rows)
         return True
+
+    def _growth_pages(self, r: Resident, need: int) -> int:
+        """Pages `need` more blocks of a request take: theirs, and their C4 pages while it is resident."""
+        return need * (1 + (self.geo.c4_pages_per_block if r.c4_pages else 0))
 
     def _set_blocks(self, r: Resident, blocks: list[int]) -> None:
         r.tables_version += 1
@@ -516,8 +557,10 @@ class TieredStore(KVStore):
         saved = self.arena.view(-1, self.geo.page_elems)[self._page_index(r)].to("cpu")
         with self._alloc_lock:
             del self.residents[request_id]
-            self.pages.free(request_id, r.group, r.blocks)
+            self.pages.free(request_id, r.group, r.blocks + r.c4_pages)  # resident C4 entries: the host has them
             self.swapped[request_id] = Swapped(r, saved)
+        if r.c4_pages:
+            self._set_c4(r, [])
         self.swaps += 1
 
     def swap_in(self, request_id: str, spare_blocks: int = 0) -> bool:
@@ -527,6 +570,8 @@ class TieredStore(KVStore):
         attention reads are the same either way.)"""
         sw = self.swapped[request_id]
         r = sw.resident
+        if not self.pages.can_allocate(len(r.blocks) + spare_blocks):
+            self._reclaim(self.geo.group_pages + len(r.blocks) + spare_blocks)
         with self._alloc_lock:
             if not self.pages.can_allocate(len(r.blocks) + spare_blocks):
                 return False
@@ -537,16 +582,111 @@ class TieredStore(KVStore):
             self.residents[request_id] = r
         self.arena.view(-1, self.geo.page_elems)[self._page_index(r)] = sw.pages.to(self.device)
         if self.hot is not None:
-            n = r.num_tokens // self.cfg.csa_rate
-            rows = self._c4_rows(r, n)
-            for j in range(len(self.geo.csa_layers)):
-                self.hot.forget(j, r.group, rows["map"])
-                if "slots" in rows:
-                    newest = torch.arange(max(0, n - self.geo.reserved), n, device="cpu")  # the host pool's rows
-                    vectors = self.hot.host.kv[j, self.hot.host.rows(r.host_blocks_t, newest)].to(self.device)
-                    self.hot.place_newest(j, r.group, rows["slots"], rows["hot_rows"], vectors)
+            self._rebuild_hot(r)
         self.resumes += 1
         return True
+
+    def _rebuild_hot(self, r: Resident) -> None:
+        """A request's hot buffers as at admission: nothing mapped but the ring, which gets the newest C4 entries from
+        the host pool. (LRU contents are not restored: a miss refills them, and the rows attention reads are the same
+        either way.)"""
+        n = r.num_tokens // self.cfg.csa_rate
+        rows = self._c4_rows(r, n)
+        for j in range(len(self.geo.csa_layers)):
+            self.hot.forget(j, r.group, rows["map"])
+            if "slots" in rows:
+                newest = torch.arange(max(0, n - self.geo.reserved), n, device="cpu")  # the host pool's rows
+                vectors = self.hot.host.kv[j, self.hot.host.rows(r.host_blocks_t, newest)].to(self.device)
+                self.hot.place_newest(j, r.group, rows["slots"], rows["hot_rows"], vectors)
+
+    # residency (TierConfig.resident; `cachetier.residency`) ------------------------------------------
+
+    def _set_c4(self, r: Resident, pages: list[int]) -> None:
+        r.tables_version += 1
+        r.c4_pages = pages
+        r.c4_np = np.array(pages, dtype=np.int64)
+        r.c4_t = torch.from_numpy(r.c4_np).to(self.device) if pages else None
+
+    def _resident_c4(self, r: Resident) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A resident request's C4 entries so far: their host-pool rows and, per CSA layer, their arena rows."""
+        n = r.num_tokens // self.cfg.csa_rate
+        e = torch.arange(n)
+        dev_e = e.to(self.device)
+        return (self.hot.host.rows(r.host_blocks_t, e),
+                [resident_c4_rows(r.c4_t, j, dev_e, self.geo) for j in range(len(self.geo.csa_layers))])
+
+    def make_resident(self, request_id: str) -> bool:
+        """Step thread. A running request's C4 entries from the host pool into device pages of its own, its hot
+        buffers emptied (its steps read those pages instead); False when the pages are not free now."""
+        r = self.residents[request_id]
+        if r.c4_pages or not r.filled or self.residency is None:
+            return bool(r.c4_pages)
+        need = len(r.blocks) * self.geo.c4_pages_per_block
+        with self._alloc_lock:
+            if self.pages.num_free < need:
+                return False
+            pages = self.pages.allocate_blocks(request_id, need)
+        self._set_c4(r, pages)
+        host_rows, dev_rows = self._resident_c4(r)
+        map_rows = self._map_rows(r.blocks_t)
+        for j, rows in enumerate(dev_rows):
+            if len(host_rows):
+                self.rows(self.geo.md)[rows] = self.hot.host.kv[j, host_rows].to(self.device)
+            self.hot.forget(j, r.group, map_rows)
+        self.promotions += 1
+        return True
+
+    def drop_resident(self, request_id: str) -> None:
+        """Step thread. A resident request back to its hot buffer: its C4 pages return to the pool (the host pool has
+        every entry), its hot buffers rebuilt as after a resume."""
+        r = self.residents[request_id]
+        if not r.c4_pages:
+            return
+        with self._alloc_lock:
+            self.pages.free_blocks(request_id, r.c4_pages)
+        self._set_c4(r, [])
+        self._rebuild_hot(r)
+        self.demotions += 1
+
+    def _reclaim(self, pages: int) -> bool:
+        """Step thread. Resident requests drop their C4 pages, the largest first, until `pages` pages are free or
+        nobody is resident; whether any did."""
+        if self.residency is None:
+            return False
+        dropped = False
+        while self.pages.num_free < pages:
+            holders = [r for r in self.residents.values() if r.c4_pages]
+            if not holders:
+                break
+            self.drop_resident(max(holders, key=lambda r: len(r.c4_pages)).request_id)
+            dropped = True
+        return dropped
+
+    def rebalance(self) -> bool:
+        """Step thread, before a step: residency follows the room (`cachetier.residency`): below the headroom the
+        largest resident requests shrink; above it plus a request's C4 pages, the smallest filled ones grow. True when
+        a request shrank (pages were freed for an admission)."""
+        if self.residency is None:
+            return False
+        self.residency.tick()
+        room = self.residency.headroom(len(self.residents))
+        if self._reclaim(room):
+            return True
+        kq = self.geo.c4_pages_per_block
+        for r in sorted((r for r in self.residents.values() if r.filled and not r.c4_pages), key=lambda r: len(r.blocks)):
+            if self.pages.num_free - len(r.blocks) * kq < room or not self.make_resident(r.request_id):
+                break
+        return False
+
+    def _c4_mode(self, residents: list[Resident], forced: str | None) -> str:
+        """The view kind a step over these residents reads C4 entries with (`cachetier.tiered_batch`)."""
+        if self.residency is None:
+            return TIERED
+        if forced is not None:
+            return forced
+        if self.split_views and residents and all(map(is_resident, residents)):
+            return RESIDENT
+        return MIXED
 
     def context_blocks(self, residents: list[Resident]) -> int:
         """The context bucket of a step over these residents (`cachetier.buckets`)."""
@@ -559,22 +699,31 @@ class TieredStore(KVStore):
         res = list(map(self.residents.__getitem__, request_ids))
         return context_blocks(max(map(num_tokens_of, res), default=0) + span, self.geo.block_tokens)
 
-    def new_view(self, num_rows: int, num_blocks: int) -> TieredBatch:
+    def new_view(self, num_rows: int, num_blocks: int, c4_mode: str = TIERED) -> TieredBatch:
         """A fresh step view of `num_rows` x `num_blocks` over this store (`step_view` keeps one per bucket)."""
-        return TieredBatch(self.cfg, self.geo, self.arena, self.hot, self.device, num_rows, num_blocks)
+        return TieredBatch(self.cfg, self.geo, self.arena, self.hot, self.device, num_rows, num_blocks, c4_mode)
+
+    def view_modes(self) -> list[str]:
+        """The view kinds this store's steps may use (what a compiled step warms up: one graph each)."""
+        if self.residency is None:
+            return [TIERED]
+        return [MIXED, RESIDENT] if self.split_views else [MIXED]
 
     def step_view(
         self, request_ids: list[str], num_rows: int, num_blocks: int | None = None, tokens: list[int] | None = None,
-        min_blocks: int = 1, private: bool = False,
+        min_blocks: int = 1, private: bool = False, c4_mode: str | None = None,
     ) -> TieredBatch:
+        """`c4_mode`: the view kind to use (a warm-up over padding picks each in turn); None: what these requests need."""
         res = list(map(self.residents.__getitem__, request_ids))
         key = (num_rows, num_blocks or max(min_blocks, self.context_blocks(res)))
+        mode = self._c4_mode(res, c4_mode)
+        self.mode_steps[mode] = self.mode_steps.get(mode, 0) + 1
         if private:
-            view = self.new_view(*key)
+            view = self.new_view(*key, mode)
         else:
-            if key not in self._views:  # its buffers stay, so a graph captured on them replays with each step's contents
-                self._views[key] = self.new_view(*key)
-            view = self._views[key]
+            if (*key, mode) not in self._views:  # its buffers stay, so a graph captured on them replays with each step's contents
+                self._views[(*key, mode)] = self.new_view(*key, mode)
+            view = self._views[(*key, mode)]
         view.load(res, tokens)
         return view
 
@@ -587,7 +736,7 @@ class TieredStore(KVStore):
 
     def spec_view(self, request_ids: list[str], requests: int, span: int, num_blocks: int | None = None,
                   tokens: list[list[int]] | None = None, drafts: list[int] | None = None, min_blocks: int = 1,
-                  private: bool = False) -> SpecBatch:
+                  private: bool = False, c4_mode: str | None = None) -> SpecBatch:
         """The speculative step's view (`cachetier.spec_batch`): `requests` x `span` rows, the block table wide
         enough for every verified position, kept per (requests, blocks, span) like `step_view`'s."""
         if self.geo.spec_tokens < span - 1:
@@ -595,10 +744,12 @@ class TieredStore(KVStore):
                              f"(TierConfig.speculative_tokens), not {span - 1}")
         res = list(map(self.residents.__getitem__, request_ids))
         blocks = num_blocks or max(min_blocks, self.bucket_blocks(request_ids, span))
-        key = ("spec", requests, blocks, span)
+        mode = self._c4_mode(res, c4_mode)
+        self.mode_steps[mode] = self.mode_steps.get(mode, 0) + 1
+        key = ("spec", requests, blocks, span, mode)
         view = None if private else self._views.get(key)
         if view is None:
-            view = SpecBatch(self.cfg, self.geo, self.arena, self.hot, self.device, requests, blocks, span)
+            view = SpecBatch(self.cfg, self.geo, self.arena, self.hot, self.device, requests, blocks, span, mode)
             if not private:
                 self._views[key] = view
         view.load(res, tokens, drafts)
@@ -634,6 +785,10 @@ class TieredStore(KVStore):
             out.update(reserve="estimate", output_estimate_tokens=self.policy.estimate(), swapped=len(self.swapped),
                        swapped_bytes=sum(sw.pages.numel() * sw.pages.element_size() for sw in self.swapped.values()),
                        swaps=self.swaps, resumes=self.resumes)
+        if self.residency is not None:
+            out.update(resident_requests=sum(1 for r in self.residents.values() if r.c4_pages),
+                       resident_c4_pages=sum(len(r.c4_pages) for r in self.residents.values()),
+                       promotions=self.promotions, demotions=self.demotions, c4_mode_steps=dict(self.mode_steps))
         out.update(self.counter_totals())
         return out
 
@@ -654,15 +809,17 @@ class TieredStore(KVStore):
         owned = sum(1 for o in self.pages.owner if o is not None)
         if owned + self.pages.num_free != g.num_pages:
             fail(f"device pages: {owned} used + {self.pages.num_free} free != {g.num_pages}")
-        expect = sum(g.group_pages + len(r.blocks) for r in self.residents.values())
+        expect = sum(g.group_pages + len(r.blocks) + len(r.c4_pages) for r in self.residents.values())
         if owned != expect:
             fail(f"device pages: {owned} owned but residents hold {expect}")
         if not self.pages.group_counts_hold():
             fail("device pages: the per-group counts the allocator keeps differ from the pages' owners")
         for r in self.residents.values():
             gp = range(r.group * g.group_pages, (r.group + 1) * g.group_pages)
-            if any(self.pages.owner[p] != r.request_id for p in [*gp, *r.blocks]):
+            if any(self.pages.owner[p] != r.request_id for p in [*gp, *r.blocks, *r.c4_pages]):
                 fail(f"{r.request_id}: a page it holds is owned by someone else")
+            if r.c4_pages and len(r.c4_pages) != len(r.blocks) * g.c4_pages_per_block:
+                fail(f"{r.request_id}: {len(r.c4_pages)} resident C4 pages for {len(r.blocks)} blocks")
             if len(r.blocks) * g.block_tokens < r.num_tokens:
                 fail(f"{r.request_id}: {r.num_tokens} tokens in {len(r.blocks)} blocks")
         if self.hot is None:
@@ -679,7 +836,13 @@ class TieredStore(KVStore):
         for r in self.residents.values():
             if not r.filled:
                 continue  # reserved only: nothing of it is written yet
-            problems = self.hot.check(r.request_id, r.group, r.blocks_t, r.host_blocks_t, r.num_tokens // self.cfg.csa_rate)
+            problems = self.hot.check(r.request_id, r.group, r.blocks_t, r.host_blocks_t, r.num_tokens // self.cfg.csa_rate,
+                                      resident=bool(r.c4_pages))
+            if r.c4_pages:  # its device copy of every C4 entry equals the host's
+                host_rows, dev_rows = self._resident_c4(r)
+                for j, rows in enumerate(dev_rows):
+                    if not torch.equal(self.rows(g.md)[rows].cpu(), self.hot.host.kv[j, host_rows]):
+                        problems.append(f"{r.request_id} layer {j}: a resident C4 row differs from its host copy")
             if problems:
                 fail(problems[0])
 

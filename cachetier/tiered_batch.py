@@ -23,7 +23,7 @@ import torch
 
 from cachetier.batch import DecodeKV, Segment, entry_counts
 from cachetier.buckets import gather_len
-from cachetier.geometry import Geometry, block_rows
+from cachetier.geometry import Geometry, block_rows, resident_c4_rows
 from cachetier.layout import HCA_ENTRIES, INDEX_KEYS
 from cachetier.resident import Resident, group_of, num_tokens_of, tables_key
 from core.config import ModelConfig
@@ -34,6 +34,10 @@ if TYPE_CHECKING:
     from cachetier.hot_tier import HotTier
 
 
+TIERED, RESIDENT, MIXED = "tiered", "resident", "mixed"
+C4_MODES = (TIERED, RESIDENT, MIXED)
+
+
 class TieredBatch(DecodeKV):
     """A bucket-shaped view of the tiered store for one decode step."""
 
@@ -41,8 +45,14 @@ class TieredBatch(DecodeKV):
     """Rows of the per-step buffer: positions, state groups, input tokens (a speculative view adds its own)."""
 
     def __init__(self, cfg: ModelConfig, geo: Geometry, arena: torch.Tensor, hot: HotTier | None, device: torch.device,
-                 num_rows: int, num_blocks: int) -> None:
+                 num_rows: int, num_blocks: int, c4_mode: str = TIERED) -> None:
         self.cfg, self.arena, self.hot = cfg, arena, hot
+        if c4_mode not in C4_MODES or (c4_mode != TIERED and not geo.resident):
+            raise ValueError(f"c4_mode {c4_mode!r}: one of {C4_MODES}, and only {TIERED!r} without resident C4 entries")
+        self.c4_mode = c4_mode
+        """How the step reads C4 entries (tier on): `tiered` through hot buffers only; `resident` straight from every
+        row's resident C4 pages; `mixed` either, per row (`cachetier.residency`). Fixed per view: a compiled or
+        captured step holds only the reads of its mode."""
         self.g = g = geo
         self.window = g.window
         self.bucket = (num_rows, num_blocks)
@@ -56,6 +66,10 @@ class TieredBatch(DecodeKV):
         self._tables = torch.zeros(2, num_rows, num_blocks, dtype=torch.long, device=dev) if staged else self._tables_host
         self.positions, self.groups, self.token_ids = self._meta.unbind(0)[:3]  # [rows] each
         self.blocks, self.host_blocks = self._tables.unbind(0)  # [rows, num_blocks] each
+        self._c4_host = self.c4_blocks = None
+        if c4_mode != TIERED:  # each block's resident C4 pages, scratch for rows that are not resident
+            self._c4_host = torch.zeros(num_rows, num_blocks * g.c4_pages_per_block, dtype=torch.long, pin_memory=staged)
+            self.c4_blocks = torch.zeros_like(self._c4_host, device=dev) if staged else self._c4_host
         self.residents: list[Resident] = []
         self._tables_for: tuple | None = None
         self._group_elems = g.group_pages * g.page_elems
@@ -63,8 +77,9 @@ class TieredBatch(DecodeKV):
 
     def bucket_tensors(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         """The buffers whose sizes are the bucket, with those dims: every other tensor of a step is sized from them."""
-        return [(self._meta, (1,)), (self._tables, (1, 2)), (self.positions, (0,)), (self.groups, (0,)),
-                (self.token_ids, (0,)), (self.blocks, (0, 1)), (self.host_blocks, (0, 1))]  # views are inputs too
+        out = [(self._meta, (1,)), (self._tables, (1, 2)), (self.positions, (0,)), (self.groups, (0,)),
+               (self.token_ids, (0,)), (self.blocks, (0, 1)), (self.host_blocks, (0, 1))]  # views are inputs too
+        return out if self.c4_blocks is None else [*out, (self.c4_blocks, (0, 1))]
 
     # host side ------------------------------------------------------------------------------------
 
@@ -84,20 +99,37 @@ class TieredBatch(DecodeKV):
         key = tables_key(residents)
         self.residents = list(residents)
         if key != self._tables_for:
-            # Each row's tables from its resident's int64 arrays, scratch past them and on the padding rows:
-            # a slice copy per row (64 rows x 4,096 blocks in well under a millisecond), no Python lists.
-            tables = self._tables_host.numpy()  # [2, rows, width]: device pages, host blocks
-            tables[0], tables[1] = g.scratch_page, g.num_host_blocks  # the host pool's last block is scratch
-            for i, r in enumerate(residents):
-                nb = min(len(r.blocks_np), width)
-                tables[0, i, :nb] = r.blocks_np[:nb]
-                nh = min(len(r.host_blocks_np), width)
-                tables[1, i, :nh] = r.host_blocks_np[:nh]
-            if self._tables is not self._tables_host:
-                self._tables.copy_(self._tables_host, non_blocking=True)
+            self._fill_tables(residents, 1)
             self._tables_for = key
         if self._meta is not self._meta_host:
             self._meta.copy_(self._meta_host, non_blocking=True)
+
+    def _fill_tables(self, residents: list[Resident], span: int) -> None:
+        """Each row's tables from its resident's int64 arrays (`span` consecutive rows a request), scratch past them
+        and on the padding rows: a slice copy per request (64 rows x 4,096 blocks in well under a millisecond), no
+        Python lists."""
+        g = self.g
+        tables = self._tables_host.numpy()  # [2, rows, width]: device pages, host blocks
+        width = tables.shape[-1]
+        tables = tables.reshape(2, -1, span, width)
+        tables[0], tables[1] = g.scratch_page, g.num_host_blocks  # the host pool's last block is scratch
+        for i, r in enumerate(residents):
+            nb = min(len(r.blocks_np), width)
+            tables[0, i, :, :nb] = r.blocks_np[:nb]
+            nh = min(len(r.host_blocks_np), width)
+            tables[1, i, :, :nh] = r.host_blocks_np[:nh]
+        if self._tables is not self._tables_host:
+            self._tables.copy_(self._tables_host, non_blocking=True)
+        if self._c4_host is not None:
+            c4 = self._c4_host.numpy()
+            c4 = c4.reshape(-1, span, c4.shape[-1])
+            c4[:] = g.scratch_page
+            for i, r in enumerate(residents):
+                if r.c4_pages:
+                    n = min(len(r.c4_np), c4.shape[-1])
+                    c4[i, :, :n] = r.c4_np[:n]
+            if self.c4_blocks is not self._c4_host:
+                self.c4_blocks.copy_(self._c4_host, non_blocking=True)
 
     def advance(self) -> None:
         for r in self.residents:
@@ -126,6 +158,8 @@ class TieredBatch(DecodeKV):
     def begin_step(self) -> None:
         super().begin_step()
         self.gbase = self.groups * self._group_elems  # [rows] element offset of each row's state group
+        if self.c4_mode == MIXED:  # [rows] bool: the row's request keeps its C4 entries resident
+            self.resident_rows = self.c4_blocks[:, 0] != self.g.scratch_page
 
     def gather_len(self, rate: int) -> int:
         return gather_len(self.blocks.shape[1], self.g.block_tokens, rate)
@@ -204,10 +238,23 @@ class TieredBatch(DecodeKV):
             self._append_c4_tiered(g.csa_index[layer], emit, e, entries)
 
     def _append_c4_tiered(self, j: int, emit: torch.Tensor, e: torch.Tensor, entries: torch.Tensor) -> None:
-        """New C4 entry: authoritative copy to the host pool, and into the ring of the hot buffer (`HotTier.append`)."""
+        """New C4 entry: authoritative copy to the host pool, and into the ring of the hot buffer (`HotTier.append`);
+        a row whose entries are resident writes it into its C4 pages instead of the ring."""
+        g = self.g
         host_rows = self.hot.host.rows(self.host_blocks, e[:, None]).squeeze(1)
+        ring = emit
+        if self.c4_mode != TIERED:
+            res = emit if self.c4_mode == RESIDENT else emit & self.resident_rows
+            rows = self._resident_rows(j, e[:, None]).squeeze(1)
+            self._put(g.md, torch.where(res, rows, g.scratch_page * g.c4_rows_per_page), entries)
+            ring = None if self.c4_mode == RESIDENT else emit & ~self.resident_rows
         self.hot.append(j, emit, e, host_rows, self.groups, self.gbase, entries, self._map_rows,
-                        lambda rows, values: self._put(self.g.md, rows, values))
+                        lambda rows, values: self._put(self.g.md, rows, values), ring=ring)
+
+    def _resident_rows(self, j: int, e: torch.Tensor) -> torch.Tensor:
+        """Arena rows of C4 entries e ([rows, n], >= 0) of CSA layer j in each row's resident C4 pages (scratch rows
+        for a row that is not resident)."""
+        return resident_c4_rows(self.c4_blocks, j, e, self.g)
 
     def _all_rows(self, kind: str, j: int, rate: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Arena rows of every entry slot up to the gather length [rows, len], -1 past each row's count; the counts."""
@@ -236,10 +283,17 @@ class TieredBatch(DecodeKV):
         pool = self.arena.view(-1, g.md)
         if not g.offload:
             return Segment(pool, torch.where(valid, self._entry_rows("c4", j, safe), -1))
+        if self.c4_mode == RESIDENT:
+            return Segment(pool, torch.where(valid, self._resident_rows(j, safe), -1))
         hot_rows = g.state_fields["hot"].row(self.gbase, j * g.hot_slots)  # [rows], slot 0 of each hot buffer
-        slots = resolve(ids, self._map_rows(safe), self.hot.host.rows(self.host_blocks, safe), self.groups, hot_rows,
+        mixed = self.c4_mode == MIXED
+        asked = torch.where(self.resident_rows[:, None], -1, ids) if mixed else ids  # resident rows resolve nothing
+        slots = resolve(asked, self._map_rows(safe), self.hot.host.rows(self.host_blocks, safe), self.groups, hot_rows,
                         self.arena, self.hot.layer(j))
-        return Segment(pool, torch.where(slots >= 0, hot_rows[:, None] + slots, -1))
+        rows = torch.where(slots >= 0, hot_rows[:, None] + slots, -1)
+        if mixed:
+            rows = torch.where(self.resident_rows[:, None] & valid, self._resident_rows(j, safe), rows)
+        return Segment(pool, rows)
 
     def end_step(self) -> None:
         if self.hot is not None:

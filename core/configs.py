@@ -86,6 +86,10 @@ class TierConfig:
     blocks are held at the final length either way."""
     output_estimate_tokens: int = 256
     """`reserve=estimate`: the output estimate until requests have finished here (then the mean of the last ones)."""
+    resident: bool = False
+    """Tier on: while the device budget has room, keep a request's C4 entries on the device in full (pages taken from
+    the same pool), so its steps read them directly (no misses, no resolve); as admissions need the room the largest
+    shrink back to their hot buffers, and they grow back when it returns (`cachetier.residency`, `--resident on`)."""
 
     def __post_init__(self) -> None:
         # whether the budget holds a request depends on the model: `cachetier.geometry.Geometry` decides that

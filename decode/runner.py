@@ -171,6 +171,8 @@ class StepRunner:
         self.fixed = wanted == "compiled"
         self.cuda = self.fixed and model.device.type == "cuda"
         self.use_graphs = self.cuda and self.cfg.cuda_graphs
+        if self.use_graphs and hasattr(store, "split_views"):
+            store.split_views = False  # graphs are kept per bucket: one view kind per bucket (mixed, with residency)
         # a CPU replica rank's step holds gloo collectives, which torch.compile would not keep: it runs uncompiled
         self.compiled = self.fixed and not self.cuda and not self.replica
         if self.fixed and not self.cuda and self.replica and asked == "compiled":
@@ -257,7 +259,8 @@ class StepRunner:
             log.info("captured %d decode graphs in %.1fs", len(self.graphs), self.capture_s)
         elif self.compiled:  # one graph, symbolic in rows and blocks, serves every bucket
             b = self.min_bucket
-            self._run_compiled(self.store.step_view([], b, num_blocks=b))
+            for mode in self.store.view_modes():  # one graph per view kind (`TieredStore.view_modes`)
+                self._run_compiled(self.store.step_view([], b, num_blocks=b, c4_mode=mode))
             log.info("compiled the decode step in %.1fs", self.compile_s)
         self._warm = True
 
@@ -645,9 +648,10 @@ class StepRunner:
         for span in spans:
             if span in self._spec_warm:
                 continue
-            view = self.store.spec_view([], b, span, num_blocks=b)
-            with torch.inference_mode():
-                self._run_spec_compiled(view, span - 1)
+            for mode in self.store.view_modes():
+                view = self.store.spec_view([], b, span, num_blocks=b, c4_mode=mode)
+                with torch.inference_mode():
+                    self._run_spec_compiled(view, span - 1)
         log.info("compiled the speculative step for spans %s (%.1fs compiling in all)", spans, self.compile_s)
 
     def stats(self) -> StepStats:

@@ -25,6 +25,8 @@ and the next drafts.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from typing import Protocol
 
 import torch
@@ -128,23 +130,35 @@ class DraftPolicy:
     step) when verifying costs more than it keeps.
 
     Expected tokens of a step with n drafts: 1 + sum over k <= n of the product of alpha_1..alpha_k, alpha_k being
-    the measured chance that draft k is kept given that the ones before it were. Each candidate count is first
-    tried `probe` times per batch bucket (so an unmeasured count is never assumed cheap); afterwards one step in
-    `explore_every` re-measures the count tried longest ago among those that could pay (`could_pay`), so a choice
-    follows a change of load or text while a count slower than its best case is never run again. With
-    `adaptive` off the policy always drafts `max_tokens`."""
+    the measured chance that draft k is kept given that the ones before it were. A step's cost is the median of
+    its count's last `window` timings in that bucket (one slow sample, a page fault or a neighbour's burst, does
+    not decide). Each candidate count is first tried `probe` times per batch bucket (so an unmeasured count is
+    never assumed cheap). Afterwards the counts that could pay (`could_pay`) but are not the choice are
+    re-measured, `probe` steps in a row (the first of them only makes drafts: the plain steps before made none),
+    once their interval has passed: `explore_every` steps at first, doubling each time one is re-measured and is
+    still not chosen after (up to `max_interval`), back to `explore_every` once it is chosen. So a choice follows
+    a change of load or text, while a count that keeps losing costs less and less, and one that cannot pay is
+    never run again. With `adaptive` off the policy always drafts `max_tokens`."""
 
     def __init__(self, max_tokens: int, adaptive: bool = True, probe: int = 3, explore_every: int = 50,
-                 decay: float = 0.9, counts: list[int] | None = None) -> None:
+                 decay: float = 0.9, counts: list[int] | None = None, window: int = 7, max_interval: int = 3200) -> None:
         self.max_tokens, self.adaptive = max_tokens, adaptive
         self.counts = sorted(set(counts if counts is not None else range(max_tokens + 1)), reverse=True)
         """The draft counts it chooses among (a compiled CPU step holds one graph per count: `StepRunner.spec_counts`)."""
         self.probe, self.explore_every, self.decay = probe, explore_every, decay
+        self.window, self.max_interval = window, max_interval
         self.reached = [1.0] * (max_tokens + 1)  # decayed counts per draft position k (index 1..N)
         self.kept = [0.7] * (max_tokens + 1)
+        self.samples: dict[tuple[int, int], deque[float]] = {}
+        """The last `window` step times per (bucket, count)."""
         self.cost: dict[tuple[int, int], float] = {}
+        """Their median: the cost the choice reads."""
         self.tries: dict[tuple[int, int], int] = {}
         self.last_tried: dict[tuple[int, int], int] = {}
+        self.interval: dict[tuple[int, int], int] = {}
+        """Steps between re-measurements of a count that is not the choice, per (bucket, count)."""
+        self._run: dict[int, tuple[int, int]] = {}
+        """Per bucket, a re-measurement under way: (its count, steps left)."""
         self.steps = 0
         self.choices: dict[int, dict[int, int]] = {}
         """Steps run with each draft count, per batch bucket (what the bench reports)."""
@@ -152,43 +166,57 @@ class DraftPolicy:
     def alpha(self, k: int) -> float:
         return self.kept[k] / self.reached[k] if self.reached[k] > 0 else 0.0
 
-    def expected_tokens(self, n: int) -> float:
+    def expected_tokens(self, n: int, optimism: float = 0.0) -> float:
+        """Tokens a step with n drafts is expected to keep; `optimism` moves each alpha that far towards 1."""
         total, run = 1.0, 1.0
         for k in range(1, n + 1):
-            run *= self.alpha(k)
+            run *= self.alpha(k) + optimism * (1.0 - self.alpha(k))
             total += run
         return total
+
+    def best(self, bucket: int) -> int:
+        return max(self.counts, key=lambda c: self.expected_tokens(c) / self.cost[(bucket, c)])
 
     def choose(self, bucket: int) -> int:
         self.steps += 1
         if not self.adaptive or self.max_tokens == 0:
             n = self.max_tokens
+        elif (run := self._run.get(bucket)) is not None and run[1] > 0:
+            n = run[0]
+            self._run[bucket] = (n, run[1] - 1)
         else:
-            counts = self.counts
-            unmeasured = [n for n in counts if self.tries.get((bucket, n), 0) < self.probe]
+            unmeasured = [n for n in self.counts if self.tries.get((bucket, n), 0) < self.probe]
             if unmeasured:
                 n = unmeasured[0]
-            elif self.steps % self.explore_every == 0:
-                n = min(self.could_pay(bucket), key=lambda c: self.last_tried.get((bucket, c), 0))
             else:
-                n = max(counts, key=lambda c: self.expected_tokens(c) / self.cost[(bucket, c)])
+                n = self.best(bucket)
+                self.interval[(bucket, n)] = self.explore_every  # the choice: re-measured promptly once it loses
+                due = [c for c in self.could_pay(bucket) if c != n
+                       and self.steps - self.last_tried.get((bucket, c), 0) >= self.interval.get((bucket, c), self.explore_every)]
+                if due:
+                    n = min(due, key=lambda c: self.last_tried.get((bucket, c), 0))
+                    key = (bucket, n)
+                    self.interval[key] = min(2 * self.interval.get(key, self.explore_every), self.max_interval)
+                    self._run[bucket] = (n, self.probe - 1)
         per = self.choices.setdefault(bucket, {})
         per[n] = per.get(n, 0) + 1
         return n
 
     def could_pay(self, bucket: int) -> list[int]:
-        """The counts worth re-measuring: those whose step costs less than (n + 1) plain steps, the most it could
-        keep. A count that costs more never pays whatever the acceptance, so it is not tried again: past the
-        probes, speculation that does not pay costs nothing."""
+        """The counts worth re-measuring: those whose step costs less than the plain step times the tokens it would
+        keep were each draft's acceptance halfway from the measured one to certain. A count that costs more is not
+        tried again: past the probes, speculation that does not pay costs nothing."""
         plain = self.cost.get((bucket, 0))
-        return [n for n in self.counts if n == 0 or plain is None or self.cost[(bucket, n)] < (n + 1) * plain]
+        return [n for n in self.counts
+                if n == 0 or plain is None or self.cost[(bucket, n)] < self.expected_tokens(n, optimism=0.5) * plain]
 
     def record(self, bucket: int, n: int, seconds: float, verified: list[int] | None = None,
                accepted: list[int] | None = None) -> None:
         """A step with `n` drafts took `seconds`; per request, how many drafts it verified and kept."""
         key = (bucket, n)
-        old = self.cost.get(key)
-        self.cost[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        times = self.samples.setdefault(key, deque(maxlen=self.window))
+        times.append(seconds)
+        self.cost[key] = statistics.median(times)
         self.tries[key] = self.tries.get(key, 0) + 1
         self.last_tried[key] = self.steps
         if not verified:

@@ -391,7 +391,8 @@ class DecodeWorker:
         # queued requests, in arrival order while they fit (and nobody paused is waiting for room)
         while self.waiting and not self.paused and len(self.running) < self.max_running:
             req = self.waiting[0]
-            if not self.store.fits(req.reserve_tokens, req.context_tokens):
+            if not self.store.fits(req.reserve_tokens, req.context_tokens) and not (
+                    self.store.rebalance() and self.store.fits(req.reserve_tokens, req.context_tokens)):
                 break  # arrival order: nobody jumps the queue
             self.waiting.popleft()
             self.store.admit(req.request_id, req.layout, req.reserve_tokens)
@@ -455,6 +456,8 @@ class DecodeWorker:
         self._admit()
         if self.store.grows and self.running:
             self._make_room()
+        if self.running:
+            self.store.rebalance()  # residency follows the room left (a no-op for most stores)
         if self._groups is None:
             self._groups = self._regroup()
         groups = self._groups

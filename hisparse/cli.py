@@ -88,6 +88,7 @@ TIER = [
     Flag("--speculative-tokens", TierConfig, "speculative_tokens", {"type": int, "metavar": "N"}),
     Flag("--reserve", TierConfig, "reserve", {"choices": RESERVE_POLICIES}),
     Flag("--output-estimate-tokens", TierConfig, "output_estimate_tokens", {"type": int}),
+    Flag("--resident", TierConfig, "resident", ON_OFF),
 ]
 STEP = [
     Flag("--decode-mode", StepConfig, "decode_mode", {"choices": DECODE_MODES}),

@@ -368,3 +368,46 @@ def test_speculation_through_elastic_pauses(spec_model, prompts):
     assert stats["swaps"] >= 3 and stats["resumes"] == stats["swaps"], stats
     assert grown >= 1  # requests took blocks as they decoded, not all at admission
     assert stats["speculation"]["acceptance_length"] > 1.2
+
+
+@pytest.mark.parametrize("decode_mode", ["eager", "compiled"])
+def test_speculation_through_resident_transitions(spec_model, prompts, decode_mode):
+    """Resident C4 entries (`TierConfig.resident`) under speculation: every request resident from its first step,
+    then every 5th step one of them is flipped by force (shrunk to its hot buffer, or grown back; nothing else moves
+    them), so speculative
+    steps run all-resident and mixed, eagerly and captured whole; the greedy tokens are spec-off's and the store
+    checks out after every flip."""
+    params = [SamplingParams(max_tokens=150 + 10 * i, ignore_eos=True) for i in range(len(prompts))]
+    off, _ = _run(spec_model, prompts, params, 0)
+    tier = TierConfig(offload=True, speculative_tokens=N, device_budget_bytes=64 << 20, reserved_slots=2, block_tokens=128,
+                      resident=True)
+    step = StepConfig(decode_mode=decode_mode, compile_backend="eager", warmup=False, speculative_adaptive=False)
+    w = DecodeWorker(spec_model, TieredStore(spec_model.cfg, tier, dtype=spec_model.dtype), max_running=16, step_config=step)
+    with torch.inference_mode():
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            logits, lay = spec_model.prefill(p, last_only=True)
+            w.submit(DecodeRequest.fresh(f"r{i}", lay, SampledToken(int(logits[-1].argmax())), sp, seed=100 + i,
+                                         prompt_token_ids=p))
+    events, steps = [], 0
+    store = w.store
+    while w.has_work():
+        if steps == 1:  # all resident now: from here on only the forced flips change residency
+            store.rebalance = lambda: False
+        if steps % 5 == 4 and w.running:
+            rid = list(w.running)[(steps // 5) % len(w.running)]
+            if store.residents[rid].c4_pages:
+                store.drop_resident(rid)
+            else:
+                store.make_resident(rid)
+            w.check_integrity()
+        events.extend((e.request_id, e.index, e.token.token_id, e.finish_reason) for e in w.step())
+        steps += 1
+    w.check_integrity()
+    stats = w.stats()
+    assert sorted(events) == off
+    kinds = store.stats()["c4_mode_steps"]
+    assert kinds.get("resident", 0) >= 3 and kinds.get("mixed", 0) >= 10, kinds
+    assert store.demotions >= 5 and store.promotions >= len(prompts) + 3
+    assert stats["speculation"]["acceptance_length"] > 1.2
+    if decode_mode == "compiled":
+        assert stats["step"].mode == "compiled"

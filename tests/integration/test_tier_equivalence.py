@@ -15,6 +15,11 @@ Both tiers also run it elastic (`reserve=estimate`, `cachetier.admission`) under
 schedule's final lengths: requests are admitted with a small output estimate, grow block by block, and are
 paused (device state to host memory) when the device is full, resuming later; on top of that, requests are
 paused by force at chosen steps. The stream is the same through every pause and resume.
+
+With resident C4 entries (`TierConfig.resident`, `cachetier.residency`) the tier on runs it under a budget that
+holds a few requests' C4 entries in full: requests become resident while there is room, shrink back to their hot
+buffers as later ones join, and grow again as others leave, with more flips forced at chosen steps, so steps run
+all-resident, mixed and not resident at all, eagerly, captured, and together with the elastic pauses.
 """
 
 from __future__ import annotations
@@ -33,16 +38,20 @@ MAX_TOKENS = [470, 450, 440, 460, 480, 440, 450, 440, 250, 180]
 JOIN_AT = [0, 0, 0, 0, 0, 0, 30, 60, 110, 250]  # steps at which each request is handed to decode
 PAUSE_AT = {45: "r0", 100: "r3", 101: "r4", 200: "r5", 320: "r1", 400: "r2"}
 """Elastic schedules: steps at which a request (if running) is paused by force, besides the pauses for room."""
+FLIP_AT = {20: "r1", 21: "r2", 90: "r1", 150: "r0", 151: "r2", 300: "r0", 310: "r3", 420: "r3"}
+"""Resident schedules: steps at which a running request's residency is flipped by force (shrunk if resident, grown if
+there is room), besides the rebalancing."""
 
 
 CAPTURED = StepConfig(decode_mode="compiled", compile_backend="eager", warmup=False)
 
 
-def _schedule(model, store, step_config=None, short=False, pauses=None):
+def _schedule(model, store, step_config=None, short=False, pauses=None, flips=None):
     """`short`: the first six requests (all join at once) at half their length: still 50+ C4 entries each
     against a hot buffer of 20 slots (the bf16 runs, which check the same identity in the other dtype).
     `pauses`: step -> request id paused by force before that step (it resumes when room allows); the store's
-    integrity is checked after every step that paused or resumed a request."""
+    integrity is checked after every step that paused or resumed a request. `flips`: step -> request id whose
+    residency is flipped by force before that step (integrity checked after every step whose residency changed)."""
     g = torch.Generator().manual_seed(123)
     reqs = []
     lengths = [mt // 2 for mt in MAX_TOKENS[:6]] if short else MAX_TOKENS
@@ -59,12 +68,20 @@ def _schedule(model, store, step_config=None, short=False, pauses=None):
         for r, j in zip(reqs, JOIN_AT):
             if j == step:
                 worker.submit(r)
-        moves = (getattr(worker.store, "swaps", 0), getattr(worker.store, "resumes", 0))
+        st = worker.store
+        moves = tuple(getattr(st, k, 0) for k in ("swaps", "resumes", "promotions", "demotions"))
         if pauses and pauses.get(step) in worker.running:
             worker._pause(pauses[step])
+        if flips and flips.get(step) in worker.running:
+            rid = flips[step]
+            if st.residents[rid].c4_pages:
+                st.drop_resident(rid)
+            else:
+                st.make_resident(rid)
+            worker.check_integrity()
         for ev in worker.step():
             out[ev.request_id].append(ev.token.token_id)
-        if moves != (getattr(worker.store, "swaps", 0), getattr(worker.store, "resumes", 0)):
+        if moves != tuple(getattr(st, k, 0) for k in ("swaps", "resumes", "promotions", "demotions")):
             worker.check_integrity()
         max_batch = max(max_batch, len(worker.running))
         step += 1
@@ -93,12 +110,18 @@ def _run(name: str, model_dir: str):
     budget = 64 * 2**20
     if name == "plain":
         return _schedule(model, LayoutStore(cfg), short=short)
-    if name in ("on_elastic", "off_elastic"):  # about 6 (on) and 4 (off) of the requests at their final length
-        on = name == "on_elastic"
+    if name in ("on_elastic", "off_elastic", "on_elastic_resident"):  # about 6 (on) and 4 (off) at their final length
+        on = name != "off_elastic"
         tier = TierConfig(offload=on, hot_buffer_slots=cfg.index_topk if on else None, reserved_slots=4,
                           device_budget_bytes=900_000 if on else 1_100_000, host_pool_bytes=budget, reserve="estimate",
-                          output_estimate_tokens=16)
-        return _schedule(model, TieredStore(cfg, tier, dtype=model.dtype), pauses=PAUSE_AT)
+                          output_estimate_tokens=16, resident=name == "on_elastic_resident")
+        return _schedule(model, TieredStore(cfg, tier, dtype=model.dtype), pauses=PAUSE_AT,
+                         flips=FLIP_AT if tier.resident else None)
+    if name in ("on_resident", "on_resident_captured"):  # room for the C4 entries of about 3 requests in full
+        tier = TierConfig(offload=True, hot_buffer_slots=cfg.index_topk, reserved_slots=4, device_budget_bytes=2_000_000,
+                          host_pool_bytes=budget, resident=True)
+        return _schedule(model, TieredStore(cfg, tier, dtype=model.dtype), CAPTURED if name.endswith("captured") else None,
+                         flips=FLIP_AT)
     if name == "off":
         return _schedule(model, TieredStore(cfg, TierConfig(offload=False, device_budget_bytes=budget), dtype=model.dtype),
                          short=short)
@@ -114,8 +137,8 @@ def streams(tiny_dir):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    names = ("on_captured", "on", "off", "plain", "on_elastic", "off_elastic", "on_bf16", "off_bf16",
-             "plain_bf16")  # the slowest first
+    names = ("on_captured", "on_resident_captured", "on", "off", "plain", "on_elastic", "off_elastic", "on_resident",
+             "on_elastic_resident", "on_bf16", "off_bf16", "plain_bf16")  # the slowest first
     with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {name: pool.submit(_run, name, str(tiny_dir)) for name in names}
         return {name: f.result() for name, f in futures.items()}
@@ -179,8 +202,41 @@ def test_elastic_streams_identical_through_pauses(streams, name):
     assert st["output_estimate_tokens"] != 16  # the estimate learned from the requests that finished
 
 
+@pytest.mark.parametrize("name", ["on_resident", "on_resident_captured", "on_elastic_resident"])
+def test_resident_streams_identical_through_transitions(streams, name):
+    """C4 entries resident while there is room, shrunk to hot buffers as others join, grown back as they leave, and
+    flipped by force: the same stream, every step kind run, and no resolve work while everything is resident."""
+    assert streams[name][0] == streams["plain"][0]
+    st = streams[name][2]["stats"]
+    flips = len(FLIP_AT)
+    assert st["demotions"] > 3 and st["promotions"] > flips  # shrinks and growth for room, not only forced
+    kinds = st["c4_mode_steps"]
+    assert kinds.get("resident", 0) > 20 and kinds.get("mixed", 0) > 20, kinds
+    assert st["misses"] > 0  # the requests that were not resident missed
+    if name == "on_resident_captured":
+        run = streams[name][2]
+        assert run["mode"] == "compiled" and len(run["compile_log"]) == run["compiles"] <= 8
+
+
+def test_nothing_resolved_while_every_request_is_resident(tiny_model):
+    """Room for every request's C4 entries in full: after their first step they are all resident, the steps read
+    their C4 pages directly, and the hot tier counts no hit and no miss."""
+    cfg = tiny_model.cfg
+    store = TieredStore(cfg, TierConfig(offload=True, hot_buffer_slots=cfg.index_topk, reserved_slots=4,
+                                        device_budget_bytes=64 * 2**20, host_pool_bytes=64 * 2**20, resident=True),
+                        dtype=tiny_model.dtype)
+    out, _, summary = _schedule(tiny_model, store, short=True)
+    ref, _, _ = _schedule(tiny_model, LayoutStore(cfg), short=True)
+    assert out == ref
+    st = summary["stats"]
+    assert st["promotions"] == 6 and st["demotions"] == 0
+    assert st["hits"] == 0 and st["misses"] == 0
+    assert st["c4_mode_steps"].get("resident", 0) >= 200 and st["c4_mode_steps"].get("mixed", 0) <= 1
+
+
 def test_everything_returned_after_the_run(streams):
-    for name in ("on", "off", "on_captured", "on_bf16", "off_bf16", "on_elastic", "off_elastic"):
+    for name in ("on", "off", "on_captured", "on_bf16", "off_bf16", "on_elastic", "off_elastic", "on_resident",
+                 "on_resident_captured", "on_elastic_resident"):
         st = streams[name][2]["stats"]
         assert st["running"] == 0 and st["device_bytes_used"] == 0 and st["host_bytes_used"] == 0
         assert st["pages_free"] == st["pages_total"]
