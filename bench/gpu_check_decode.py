@@ -46,10 +46,10 @@ MAX_TOKENS = 32
 MiB = 2**20
 
 
-def _tier(cfg, offload: bool, budget: int, reserved: int) -> TierConfig:
+def _tier(cfg, offload: bool, budget: int, reserved: int, resident: bool = False) -> TierConfig:
     # a hot buffer as small as top-k, so the resolve misses and evicts
     return TierConfig(offload=offload, hot_buffer_slots=cfg.index_topk, reserved_slots=reserved, device_budget_bytes=budget,
-                      host_pool_bytes=budget, max_running=MAX_RUNNING)
+                      host_pool_bytes=budget, max_running=MAX_RUNNING, resident=resident)
 
 
 def _prompts(vocab: int, block: int) -> list[tuple[int, ...]]:
@@ -144,7 +144,8 @@ def _capture_when_idle(worker: DecodeWorker) -> dict:
             "reserve_free_loops": stats.get("loops", 0), "thread_error": stats.get("error")}
 
 
-def _graphs_case(ctx: Ctx, model, offload: bool) -> dict:
+def _graphs_case(ctx: Ctx, model, offload: bool, resident: bool = False) -> dict:
+    """`resident`: C4 entries resident while there is room (`--resident on`): the graphs hold the mixed view."""
     cfg, dev = model.cfg, ctx.device
     if ctx.cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -154,7 +155,7 @@ def _graphs_case(ctx: Ctx, model, offload: bool) -> dict:
     def engine(mode: str) -> InProcessEngine:
         # graphs at start for contexts up to one block only; CPU debug runs compile with the quick backend
         step = StepConfig(decode_mode=mode, capture_context_tokens=block, compile_backend="eager")
-        return InProcessEngine(model, _tier(cfg, offload, 64 * MiB, 4), step=step)
+        return InProcessEngine(model, _tier(cfg, offload, 64 * MiB, 4, resident), step=step)
 
     eng = engine("eager")
     eager = _decode(eng, prompts, dev)
@@ -189,12 +190,15 @@ def decode_graphs(ctx: Ctx) -> dict:
     model_dir = ensure_builtin()
     cases = [(torch.float32, "bf16"), (torch.bfloat16, "v4")] if ctx.small else \
         [(dt, fmt) for dt in (torch.float32, torch.bfloat16) for fmt in ("bf16", "v4")]
-    ok = True
+    ok, resident_done = True, False
     for dtype, fmt in cases:
         model = load_model(model_dir, dtype=dtype, device=ctx.device, kv_format=fmt)
         for offload in (True, False) if not ctx.small else (fmt == "v4",):
             name = f"{str(dtype)[6:]}_kv_{fmt}_tier_{'on' if offload else 'off'}"
             ok = _part(ctx, name, _graphs_case, ctx, model, offload) and ok
+            if offload and not resident_done:  # resident C4 entries (`--resident on`): the first tier-on case only
+                resident_done = True
+                ok = _part(ctx, f"{name}_resident", _graphs_case, ctx, model, True, True) and ok
         del model
         if ctx.cuda:
             torch.cuda.empty_cache()

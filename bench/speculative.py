@@ -246,10 +246,14 @@ def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int,
             progress(f"throughput batch {batch} repeat {rep + 1}/{repeats}: "
                      + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in rates.items()))
         med = {name: statistics.median(v) for name, v in rates.items()}
+        noise = (max(rates["off"]) - min(rates["off"])) / med["off"]
         out["by_batch"][str(batch)] = {
             **{f"tokens_per_s_{name}": round(v, 1) for name, v in med.items()},
             "ratio_on_n3_off": round(med["on_n3"] / med["off"], 3),
             "ratio_on_adaptive_off": round(med["on_adaptive"] / med["off"], 3),
+            # the spread of off's own repeats: how far two runs of the same worker differ on this machine
+            "off_spread": round(noise, 3),
+            "adaptive_within_noise_of_off": med["on_adaptive"] / med["off"] >= 1 - noise,
             "steps_per_run": {name: statistics.median(v) for name, v in steps.items()},
             "tokens_per_s_all_repeats": {name: [round(x, 1) for x in v] for name, v in rates.items()},
             "adaptive_draft_choices": _choices_since(before, workers["on_adaptive"].policy.choices),

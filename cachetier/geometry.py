@@ -63,7 +63,7 @@ def block_rows(table: torch.Tensor, entries: torch.Tensor, per_block: int) -> to
     return table.gather(-1, entries // per_block) * per_block + entries % per_block
 
 
-def resident_c4_rows(table: torch.Tensor, j: int, entries: torch.Tensor, geo: "Geometry") -> torch.Tensor:
+def resident_c4_rows(table: torch.Tensor, j: int, entries: torch.Tensor, geo: Geometry) -> torch.Tensor:
     """Arena rows (of `geo.md` elements) of C4 entries (>= 0, [..., n]) of CSA layer j of requests whose C4 entries are
     resident: `table` [..., blocks x c4_pages_per_block] lists each block's C4 pages. A block's entries lie layer after
     layer (e4 each) across its C4 pages, `c4_rows_per_page` rows a page."""

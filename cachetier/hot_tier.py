@@ -89,19 +89,17 @@ class HotTier:
     # the step (the step view) ---------------------------------------------------------------------------
 
     def append(self, j: int, emit: torch.Tensor, e: torch.Tensor, host_rows: torch.Tensor, groups: torch.Tensor,
-               gbase: torch.Tensor, entries: torch.Tensor, map_rows_of, put, ring: torch.Tensor | None) -> None:
+               gbase: torch.Tensor, entries: torch.Tensor, map_rows_of, put) -> None:
         """A step's new C4 entry e [rows] of CSA layer j, for the rows that `emit`: its authoritative copy to the
         host pool (host_rows), and into the ring of the hot buffer (the entry leaving the ring is unmapped).
         `map_rows_of(e)` gives entries' map rows; `put(rows, values)` writes arena rows of one vector (the step
-        view's single scatter into the arena). Rows that do not emit write to scratch only. `ring`: the rows whose ring
-        takes the entry (`emit`, less the rows whose C4 entries are resident; None: no row's)."""
+        view's single scatter into the arena). Rows that do not emit write to scratch only."""
         g = self.geo
         host_rows = torch.where(emit, host_rows, self.host_scratch_row)
         write_rows(self.host_view, j, host_rows, entries.to(self.host_view.dtype))
         self.host_writes[j : j + 1].add_(emit.sum())
-        if not g.reserved or ring is None:
+        if not g.reserved:
             return
-        emit = ring
         entry_map = self.entry_map[j]
         dump = entry_map.shape[0] - 1  # a scratch-page element
         old = e - g.reserved  # the entry leaving the ring

@@ -35,6 +35,9 @@ class Resident:
     block, in block order) while it is resident; empty while it reads them through its hot buffer."""
     c4_np: np.ndarray = field(repr=False, default=None)
     c4_t: torch.Tensor = field(repr=False, default=None)
+    c4_host_upto: int = 0
+    """While resident: its C4 entries below this one have their host-pool copy; those appended since are on the device
+    only and are written back when it shrinks (`TieredStore.drop_resident`)."""
     tables_version: int = 0
     """Bumped whenever its pages change while it runs (it grew, or came back from host memory in other pages), so a
     step view rebuilds the block tables it keeps."""

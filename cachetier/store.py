@@ -554,6 +554,8 @@ class TieredStore(KVStore):
         r = self.residents[request_id]
         if not r.filled:
             raise ValueError(f"request {request_id} is only reserved: nothing of it runs yet")
+        if r.c4_pages:
+            self._write_back(r)  # its C4 pages are given up below: the host pool must hold every entry
         saved = self.arena.view(-1, self.geo.page_elems)[self._page_index(r)].to("cpu")
         with self._alloc_lock:
             del self.residents[request_id]
@@ -607,10 +609,11 @@ class TieredStore(KVStore):
         r.c4_np = np.array(pages, dtype=np.int64)
         r.c4_t = torch.from_numpy(r.c4_np).to(self.device) if pages else None
 
-    def _resident_c4(self, r: Resident) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """A resident request's C4 entries so far: their host-pool rows and, per CSA layer, their arena rows."""
+    def _resident_c4(self, r: Resident, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A resident request's C4 entries start..end (default: all so far): their host-pool rows and, per CSA layer,
+        their arena rows."""
         n = r.num_tokens // self.cfg.csa_rate
-        e = torch.arange(n)
+        e = torch.arange(start, n if end is None else end)
         dev_e = e.to(self.device)
         return (self.hot.host.rows(r.host_blocks_t, e),
                 [resident_c4_rows(r.c4_t, j, dev_e, self.geo) for j in range(len(self.geo.csa_layers))])
@@ -628,6 +631,7 @@ class TieredStore(KVStore):
             pages = self.pages.allocate_blocks(request_id, need)
         self._set_c4(r, pages)
         host_rows, dev_rows = self._resident_c4(r)
+        r.c4_host_upto = len(host_rows)
         map_rows = self._map_rows(r.blocks_t)
         for j, rows in enumerate(dev_rows):
             if len(host_rows):
@@ -642,11 +646,22 @@ class TieredStore(KVStore):
         r = self.residents[request_id]
         if not r.c4_pages:
             return
+        self._write_back(r)
         with self._alloc_lock:
             self.pages.free_blocks(request_id, r.c4_pages)
         self._set_c4(r, [])
         self._rebuild_hot(r)
         self.demotions += 1
+
+    def _write_back(self, r: Resident) -> None:
+        """The C4 entries a resident request appended since it became resident, from its device pages to its host
+        blocks (resident steps write the device only): one gather and one copy per CSA layer."""
+        host_rows, dev_rows = self._resident_c4(r, r.c4_host_upto)
+        if len(host_rows):
+            for j, rows in enumerate(dev_rows):
+                self.hot.host.kv[j, host_rows] = self.rows(self.geo.md)[rows].to("cpu", self.hot.host.kv.dtype)
+                self.hot.host_writes[j] += len(host_rows)
+        r.c4_host_upto += len(host_rows)
 
     def _reclaim(self, pages: int) -> bool:
         """Step thread. Resident requests drop their C4 pages, the largest first, until `pages` pages are free or
@@ -726,6 +741,10 @@ class TieredStore(KVStore):
             view = self._views[(*key, mode)]
         view.load(res, tokens)
         return view
+
+    def mtp_history(self, request_ids: list[str]) -> list[int]:
+        """Positions each request's MTP ring holds entries for (since its floor, `restart_mtp`)."""
+        return [self.residents[rid].num_tokens - self.residents[rid].mtp_floor for rid in request_ids]
 
     def restart_mtp(self, request_ids: list[str]) -> None:
         """These requests' MTP rings hold nothing before their next position (steps ran without speculation, so
@@ -838,8 +857,8 @@ class TieredStore(KVStore):
                 continue  # reserved only: nothing of it is written yet
             problems = self.hot.check(r.request_id, r.group, r.blocks_t, r.host_blocks_t, r.num_tokens // self.cfg.csa_rate,
                                       resident=bool(r.c4_pages))
-            if r.c4_pages:  # its device copy of every C4 entry equals the host's
-                host_rows, dev_rows = self._resident_c4(r)
+            if r.c4_pages:  # its device copy of every C4 entry the host holds equals the host's
+                host_rows, dev_rows = self._resident_c4(r, 0, r.c4_host_upto)
                 for j, rows in enumerate(dev_rows):
                     if not torch.equal(self.rows(g.md)[rows].cpu(), self.hot.host.kv[j, host_rows]):
                         problems.append(f"{r.request_id} layer {j}: a resident C4 row differs from its host copy")

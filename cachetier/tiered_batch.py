@@ -85,7 +85,7 @@ class TieredBatch(DecodeKV):
 
     def load(self, residents: list[Resident], tokens: list[int] | None = None) -> None:
         """Fill the buffers for these requests (and their input tokens); the rest of the rows are padding."""
-        rows, width = self.bucket
+        rows = self.bucket[0]
         n = len(residents)
         if n > rows:
             raise ValueError(f"{n} requests do not fit a view of {rows} rows")
@@ -239,17 +239,19 @@ class TieredBatch(DecodeKV):
 
     def _append_c4_tiered(self, j: int, emit: torch.Tensor, e: torch.Tensor, entries: torch.Tensor) -> None:
         """New C4 entry: authoritative copy to the host pool, and into the ring of the hot buffer (`HotTier.append`);
-        a row whose entries are resident writes it into its C4 pages instead of the ring."""
+        a row whose entries are resident writes it into its C4 pages only (written back to the host pool when the
+        request shrinks: `TieredStore.drop_resident`)."""
         g = self.g
-        host_rows = self.hot.host.rows(self.host_blocks, e[:, None]).squeeze(1)
-        ring = emit
         if self.c4_mode != TIERED:
             res = emit if self.c4_mode == RESIDENT else emit & self.resident_rows
             rows = self._resident_rows(j, e[:, None]).squeeze(1)
             self._put(g.md, torch.where(res, rows, g.scratch_page * g.c4_rows_per_page), entries)
-            ring = None if self.c4_mode == RESIDENT else emit & ~self.resident_rows
+            if self.c4_mode == RESIDENT:
+                return  # no host write: a resident request's new entries reach the host pool when it shrinks
+            emit = emit & ~self.resident_rows
+        host_rows = self.hot.host.rows(self.host_blocks, e[:, None]).squeeze(1)
         self.hot.append(j, emit, e, host_rows, self.groups, self.gbase, entries, self._map_rows,
-                        lambda rows, values: self._put(self.g.md, rows, values), ring=ring)
+                        lambda rows, values: self._put(self.g.md, rows, values))
 
     def _resident_rows(self, j: int, e: torch.Tensor) -> torch.Tensor:
         """Arena rows of C4 entries e ([rows, n], >= 0) of CSA layer j in each row's resident C4 pages (scratch rows

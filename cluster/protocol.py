@@ -190,6 +190,11 @@ class DecodeStats:
     evictions: int = 0
     bytes_h2d: int = 0
     bytes_d2h: int = 0
+    resident_requests: int = 0
+    """With `--resident on`: requests whose C4 entries are all on the device now (`cachetier.residency`)."""
+    promotions: int = 0
+    demotions: int = 0
+    """Requests grown resident and shrunk back to their hot buffers, since start."""
     handoffs: int = 0
     handoff_bytes: int = 0
     subscribers: int = 0

@@ -97,6 +97,9 @@ class TierConfig:
                   output_estimate_tokens=1)
         if self.reserve not in RESERVE_POLICIES:
             raise ValueError(f"reserve must be one of {RESERVE_POLICIES}, got {self.reserve!r}")
+        if self.resident and not self.offload:
+            raise ValueError("resident C4 entries (--resident on) need the tier on (--offload on): with it off every "
+                             "C4 entry is on the device already")
 
 
 STATE_POLICIES = ("last", "every")

@@ -39,6 +39,7 @@ every MoE exchange has the same shape on every rank and nothing in the step goes
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -93,10 +94,18 @@ def _step_guards(entries) -> list[bool]:
     return [not (e.name.startswith(("model", "G[", "dict(type(")) or e.guard_type in _LOOKUP_GUARDS) for e in entries]
 
 
+_COPIES = itertools.count()
+
+
 def _own_copy(fn):
     """`fn` with a code object of its own: torch.compile keeps its cache (and its recompile limit) per code
-    object, so every runner's compiled step keeps its own instead of sharing one across models and stores."""
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    object, so every runner's compiled step keeps its own instead of sharing one across models and stores. The
+    copy's name is its own too: Dynamo also keeps what it learnt about sizes (which ints it made dynamic) per
+    file, line and name, and a store whose geometry differs (another block size) must not find its constants
+    turned symbolic by another runner's compiles."""
+    name = f"{fn.__name__}_{next(_COPIES)}"
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 @dataclass(frozen=True)

@@ -132,13 +132,14 @@ class DraftPolicy:
     Expected tokens of a step with n drafts: 1 + sum over k <= n of the product of alpha_1..alpha_k, alpha_k being
     the measured chance that draft k is kept given that the ones before it were. A step's cost is the median of
     its count's last `window` timings in that bucket (one slow sample, a page fault or a neighbour's burst, does
-    not decide). Each candidate count is first tried `probe` times per batch bucket (so an unmeasured count is
-    never assumed cheap). Afterwards the counts that could pay (`could_pay`) but are not the choice are
-    re-measured, `probe` steps in a row (the first of them only makes drafts: the plain steps before made none),
-    once their interval has passed: `explore_every` steps at first, doubling each time one is re-measured and is
-    still not chosen after (up to `max_interval`), back to `explore_every` once it is chosen. So a choice follows
-    a change of load or text, while a count that keeps losing costs less and less, and one that cannot pay is
-    never run again. With `adaptive` off the policy always drafts `max_tokens`."""
+    not decide). Each candidate count is first tried `probe` times per batch bucket, the plain step first (so an
+    unmeasured count is never assumed cheap). Afterwards the counts that could pay (`could_pay`) but are not the
+    choice are re-measured, `probe` steps in a row (the first of them only makes drafts: the plain steps before
+    made none), once their interval has passed: `explore_every` steps at first, doubling each time one is
+    re-measured and is still not chosen after (up to `max_interval`), back to `explore_every` once it is chosen;
+    the plain step every `max_interval` steps (`_interval`). So a choice follows a change of load or text, while a
+    count that keeps losing costs less and less, and one that cannot pay is never run again. With `adaptive` off
+    the policy always drafts `max_tokens`."""
 
     def __init__(self, max_tokens: int, adaptive: bool = True, probe: int = 3, explore_every: int = 50,
                  decay: float = 0.9, counts: list[int] | None = None, window: int = 7, max_interval: int = 3200) -> None:
@@ -187,12 +188,12 @@ class DraftPolicy:
         else:
             unmeasured = [n for n in self.counts if self.tries.get((bucket, n), 0) < self.probe]
             if unmeasured:
-                n = unmeasured[0]
+                n = unmeasured[-1]  # the plain step first: a fresh request's MTP ring is empty anyway
             else:
                 n = self.best(bucket)
                 self.interval[(bucket, n)] = self.explore_every  # the choice: re-measured promptly once it loses
                 due = [c for c in self.could_pay(bucket) if c != n
-                       and self.steps - self.last_tried.get((bucket, c), 0) >= self.interval.get((bucket, c), self.explore_every)]
+                       and self.steps - self.last_tried.get((bucket, c), 0) >= self._interval(bucket, c)]
                 if due:
                     n = min(due, key=lambda c: self.last_tried.get((bucket, c), 0))
                     key = (bucket, n)
@@ -201,6 +202,12 @@ class DraftPolicy:
         per = self.choices.setdefault(bucket, {})
         per[n] = per.get(n, 0) + 1
         return n
+
+    def _interval(self, bucket: int, n: int) -> int:
+        """Steps between re-measurements of count n while another is the choice. The plain step's only when the
+        choice speculates, and rarely: its time follows the speculative step's, whose time and acceptance are measured
+        all along (a drop in acceptance switches to plain without it), and a plain step restarts every MTP ring."""
+        return self.max_interval if n == 0 else self.interval.get((bucket, n), self.explore_every)
 
     def could_pay(self, bucket: int) -> list[int]:
         """The counts worth re-measuring: those whose step costs less than the plain step times the tokens it would

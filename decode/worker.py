@@ -614,6 +614,7 @@ class DecodeWorker:
             self.store.restart_mtp(stale)
         remaining = (g.max_tokens - g.num_generated).tolist()
         verify = [max(0, min(n, len(d), left - 1)) for d, left in zip(g.drafts, remaining)]
+        history = self.store.mtp_history(g.ids)
         sampling = None
         t0 = time.perf_counter()
         try:
@@ -626,7 +627,10 @@ class DecodeWorker:
         except Exception as e:
             return self._step_failed(g, ended, e, "speculative decode")
         kept_counts = [row[span] for row in rows]
-        self.policy.record(bucket, n, time.perf_counter() - t0, verify, kept_counts)
+        # acceptance is learnt from rows whose MTP ring was full (a ring restarted a window ago drafts worse than
+        # the steady state the choice is about); the step time from every step
+        learnt = [v if h >= self.model.cfg.sliding_window else 0 for v, h in zip(verify, history)]
+        self.policy.record(bucket, n, time.perf_counter() - t0, learnt, kept_counts)
         drawn = sampling.tokens([t for row in rows for t in row[:span]]) if sampling is not None else None
         ids, index, tokens, reasons = [], [], [], {}
         sampled = [] if drawn is not None else None

@@ -26,6 +26,7 @@ SERVING_SETS = (
     "serve.handoffTimeoutSeconds=45", "serve.tokenTimeoutSeconds=7.5", "serve.maxRequestRetries=0",
     "serve.subscriberTimeoutSeconds=2.5", "serve.stepHangSeconds=300", "serve.dtype=bfloat16",
     "serve.prefixCache=off", "serve.prefixCacheHostBytes=512MiB", "serve.speculativeTokens=2",
+    "serve.reserve=estimate", "serve.outputEstimateTokens=900",
 )
 
 
@@ -34,6 +35,7 @@ def _assert_serving_values(cfg):
     t = cfg.tier
     assert (t.offload, t.hot_buffer_slots, t.reserved_slots, t.max_running, t.block_tokens) == (False, 96, 4, 32, 512)
     assert t.speculative_tokens == 2
+    assert (t.reserve, t.output_estimate_tokens, t.resident) == ("estimate", 900, False)
     assert (t.device_budget_bytes, t.host_pool_bytes) == (40 * GiB, 2_500_000_000)
     assert cfg.prefill.max_batch_tokens == 4096
     assert (cfg.prefill.prefix_cache.enabled, cfg.prefill.prefix_cache.host_bytes) == (False, 512 * MiB)
@@ -76,6 +78,12 @@ def test_default_values_are_hisparse_defaults(helm):
     chart_owned = {"host", "port"}  # the chart binds 0.0.0.0 on gateway.port
     assert {k: v for k, v in vars(default.server).items() if k not in chart_owned} == \
            {k: v for k, v in vars(own.server).items() if k not in chart_owned}
+
+
+def test_resident_entries_reach_the_decode_flag(helm):
+    for value in ("on", "true"):
+        assert parse_serve(serve_args(helm.render(sets=(f"serve.resident={value}",)))).tier.resident is True
+    assert parse_serve(serve_args(helm.render())).tier.resident is False
 
 
 def test_the_prefix_cache_default_is_left_to_hisparse(helm):

@@ -411,3 +411,28 @@ def test_speculation_through_resident_transitions(spec_model, prompts, decode_mo
     assert stats["speculation"]["acceptance_length"] > 1.2
     if decode_mode == "compiled":
         assert stats["step"].mode == "compiled"
+
+
+def test_acceptance_is_learnt_from_full_rings_only(spec_model, prompts):
+    """The MTP ring restarts empty at admission (and after plain steps): drafts from a ring holding less than a window
+    are worse than the steady state the draft count is chosen for, so the policy learns no acceptance from them."""
+    window = spec_model.cfg.sliding_window
+
+    def policy_after(max_tokens):
+        tier = TierConfig(offload=True, speculative_tokens=N, device_budget_bytes=64 << 20, reserved_slots=2)
+        w = DecodeWorker(spec_model, TieredStore(spec_model.cfg, tier, dtype=spec_model.dtype), max_running=16,
+                         step_config=StepConfig(decode_mode="eager", speculative_adaptive=False))
+        with torch.inference_mode():
+            for i, p in enumerate(prompts[:2]):
+                logits, lay = spec_model.prefill(p, last_only=True)
+                w.submit(DecodeRequest.fresh(f"r{i}", lay, SampledToken(int(logits[-1].argmax())),
+                                             SamplingParams(max_tokens=max_tokens, ignore_eos=True), seed=i))
+            while w.has_work():
+                w.step()
+        assert w.spec_steps > 0
+        return w.policy
+
+    cold = policy_after(window - 4)  # every speculative step drafts from a partial ring
+    assert cold.reached == DraftPolicy(N).reached and cold.kept == DraftPolicy(N).kept
+    warm = policy_after(window + 60)
+    assert warm.reached[1] != DraftPolicy(N).reached[1]

@@ -31,7 +31,8 @@ def test_geometry_places_every_c4_row_of_a_block_in_its_own_pages(tiny_model):
     g = _store(tiny_model).geo
     assert g.resident and g.c4_rows_per_page * g.md <= g.page_elems
     assert g.c4_pages_per_block * g.c4_rows_per_page >= len(g.csa_layers) * g.e4
-    assert not TieredStore(tiny_model.cfg, TierConfig(offload=False, resident=True, device_budget_bytes=8 << 20)).geo.resident
+    with pytest.raises(ValueError, match="need the tier on"):
+        TierConfig(offload=False, resident=True)
 
 
 def test_a_request_grows_resident_and_shrinks_back_with_nothing_lost(tiny_model):
@@ -45,12 +46,22 @@ def test_a_request_grows_resident_and_shrinks_back_with_nothing_lost(tiny_model)
     assert len(r.c4_pages) == len(r.blocks) * g.c4_pages_per_block > 0
     assert store.pages.num_free == free0 - g.group_pages - len(r.blocks) - len(r.c4_pages)
     worker.check_integrity()
+    written = store.counter_totals()["bytes_d2h"]
+    upto = r.c4_host_upto
     for _ in range(9):
         worker.step()
-    worker.check_integrity()  # device rows appended since still equal the host copies
-    assert store.stats()["misses"] == 0
+    worker.check_integrity()
+    n = r.num_tokens // tiny_model.cfg.csa_rate
+    assert n > upto and r.c4_host_upto == upto  # entries appended while resident are on the device only
+    assert store.counter_totals()["bytes_d2h"] == written and store.stats()["misses"] == 0
+    new_rows = store._resident_c4(r, upto)
+    device_copy = [store.rows(g.md)[rows].cpu() for rows in new_rows[1]]
     store.drop_resident("a")
     assert not r.c4_pages and store.demotions == 1
+    # written back when it shrank: the host pool holds every entry again, equal to what the device held
+    assert r.c4_host_upto == n
+    assert all(torch.equal(store.hot.host.kv[j, new_rows[0]], d) for j, d in enumerate(device_copy))
+    assert store.counter_totals()["bytes_d2h"] == written + (n - upto) * len(device_copy) * g.main_bytes
     worker.check_integrity()  # the hot buffer's ring rebuilt from the host pool
     assert store.make_resident("a") and store.promotions == 2
     worker.check_integrity()

@@ -206,6 +206,9 @@ Byte sizes go out as integer bytes, which every spelling of `hisparse serve` acc
 {{- end -}}
 {{- $a = concat $a (list "--reserved-slots" (include "hisparse.int" $s.reservedSlots)) -}}
 {{- $a = concat $a (list "--speculative-tokens" (include "hisparse.int" $s.speculativeTokens)) -}}
+{{- $a = concat $a (list "--reserve" (toString $s.reserve)) -}}
+{{- $a = concat $a (list "--output-estimate-tokens" (include "hisparse.int" $s.outputEstimateTokens)) -}}
+{{- $a = concat $a (list "--resident" (include "hisparse.onOff" $s.resident)) -}}
 {{- $a = concat $a (list "--device-budget" (include "hisparse.bytes" $s.deviceBudget)) -}}
 {{- if not (kindIs "invalid" $s.hostPoolBytes) -}}
 {{- $a = concat $a (list "--host-pool-bytes" (include "hisparse.bytes" $s.hostPoolBytes)) -}}

@@ -1,0 +1,63 @@
+"""The adaptive draft count (`decode.speculative.DraftPolicy`) against synthetic step times and acceptance."""
+
+from __future__ import annotations
+
+from decode.speculative import DraftPolicy
+
+
+def _drive(p: DraftPolicy, steps: int, cost_of, kept: int, bucket: int = 1, first=None) -> list[int]:
+    """Run the policy for `steps` steps; each request keeps `kept` drafts of those it verified (all its rows warm)."""
+    chosen = []
+    for i in range(steps):
+        n = p.choose(bucket)
+        seconds = first(n, i) if first is not None else cost_of(n)
+        p.record(bucket, n, seconds, [n] * bucket if n else None, [min(n, kept)] * bucket if n else None)
+        chosen.append(n)
+    return chosen
+
+
+def test_one_slow_first_probe_does_not_decide():
+    """N = 3 pays (2.2 tokens a step for 1.5x a plain step), but its first probe is ten times slow: the median of its
+    samples forgets it, where an average starting from it would keep N = 3 off for hundreds of steps."""
+    p = DraftPolicy(3, counts=[0, 3])
+    slow_once = {"done": False}
+
+    def first(n, i):
+        if n == 3 and not slow_once["done"]:
+            slow_once["done"] = True
+            return 15.0
+        return 1.5 if n else 1.0
+
+    chosen = _drive(p, 300, None, kept=2, first=first)
+    assert chosen[-250:].count(3) >= 240, chosen[-250:].count(3)
+
+
+def test_a_count_that_cannot_pay_is_never_run_again():
+    """A speculative step costing 3.8 plain ones with about 2.6 tokens kept: after its probes it is not re-measured,
+    even though it costs less than N + 1 plain steps (what could pay at certain acceptance)."""
+    p = DraftPolicy(3, counts=[0, 3])
+    chosen = _drive(p, 2000, lambda n: 3.8 if n else 1.0, kept=2)
+    assert chosen.count(3) == p.probe
+    assert p.could_pay(1) == [0]
+
+
+def test_a_losing_count_is_re_measured_ever_less_often_in_runs():
+    """N = 3 could pay were its acceptance higher (cost 2.1 plain steps, 2 tokens kept): it is re-measured in runs
+    of `probe` steps, each run further from the last, and the choice stays plain in between."""
+    p = DraftPolicy(3, counts=[0, 3], explore_every=20)
+    chosen = _drive(p, 3000, lambda n: 2.1 if n else 1.0, kept=1)
+    starts = [i for i in range(1, len(chosen)) if chosen[i] == 3 and chosen[i - 1] == 0]
+    assert len(starts) >= 4
+    assert all(chosen[s : s + p.probe] == [3] * p.probe for s in starts)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert all(g2 > g1 for g1, g2 in zip(gaps, gaps[1:])), gaps  # the interval doubles while it loses
+    assert chosen.count(3) < 40
+
+
+def test_a_count_that_starts_paying_is_chosen_again():
+    """The text changes: drafts that were mostly rejected start being kept; a re-measurement finds N = 3 paying and the
+    policy switches to it (and keeps re-measuring promptly from then on)."""
+    p = DraftPolicy(3, counts=[0, 3], explore_every=20)
+    _drive(p, 400, lambda n: 1.9 if n else 1.0, kept=0)
+    later = _drive(p, 2000, lambda n: 1.9 if n else 1.0, kept=3)
+    assert later[-500:].count(3) >= 480
