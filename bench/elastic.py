@@ -8,7 +8,8 @@ swap-out instead of reserving at the final length (`TierConfig.reserve`, `cachet
 
 1. low load (`low_load`): decode step time at 1, 4 and 16 running requests with room to spare, tier off, tier on
    as it was (every C4 read through the hot buffer) and tier on with residency, run by turns for `--repeats`
-   rounds through the compiled step (Inductor), medians and the ratios on / off; greedy tokens must be identical.
+   rounds through the compiled step (Inductor), medians and the ratios on / off (also paired round by round);
+   greedy tokens must be identical.
 2. full load (`full_load`): requests of `--full-context` tokens admitted under one budget until admission stops
    (`bench.tier.admit_until_full`, the store rebalancing between admissions as before each step), tier off, on,
    and on with residency: residency must give the room back, so the last two admit the same.
@@ -160,6 +161,9 @@ def low_load(model, prompts: list[list[int]], batches: list[int], tokens: int, r
             **{f"step_ms_{name}": round(v, 3) for name, v in med.items()},
             "ratio_on_off": round(med["on"] / med["off"], 3),
             "ratio_on_resident_off": round(med["on_resident"] / med["off"], 3),
+            # the same ratios round by round (the workers ran back to back), their median: drift between rounds cancels
+            "paired_ratio_on_off": round(statistics.median(a / b for a, b in zip(ms["on"], ms["off"])), 3),
+            "paired_ratio_on_resident_off": round(statistics.median(a / b for a, b in zip(ms["on_resident"], ms["off"])), 3),
             "step_ms_all_repeats": {name: [round(x, 3) for x in v] for name, v in ms.items()},
             "on_resident_misses_last_repeat": misses,
         }
