@@ -613,7 +613,7 @@ class TieredStore(KVStore):
         """A resident request's C4 entries start..end (default: all so far): their host-pool rows and, per CSA layer,
         their arena rows."""
         n = r.num_tokens // self.cfg.csa_rate
-        e = torch.arange(start, n if end is None else end)
+        e = torch.arange(start, n if end is None else end, device="cpu")  # the host pool's rows
         dev_e = e.to(self.device)
         return (self.hot.host.rows(r.host_blocks_t, e),
                 [resident_c4_rows(r.c4_t, j, dev_e, self.geo) for j in range(len(self.geo.csa_layers))])

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import ray
+import torch
 from serving_helpers import EAGER, local_ray, run
 
 from cachetier.geometry import Geometry
@@ -28,7 +29,7 @@ N, PROMPT, MAX_TOKENS = 8, 60, 200
 def _tier(cfg) -> TierConfig:
     base = TierConfig(offload=True, hot_buffer_slots=16, device_budget_bytes=4 * 2**20, host_pool_bytes=32 * 2**20,
                       resident=True)
-    g = Geometry(cfg, base)
+    g = Geometry(cfg, base, torch.float32)  # the service's default dtype on this CPU
     per = g.group_pages + g.blocks_for(PROMPT + 9 * N + MAX_TOKENS)  # one request in the tiered way
     pages = -(-(N * per + g.group_pages) // g.group_pages) * g.group_pages  # all of them, or a few resident
     return dataclasses.replace(base, device_budget_bytes=g.device_bytes(pages))

@@ -1,5 +1,6 @@
-"""`python -m bench.elastic --quick`: one JSON object, the two admission policies give the same tokens, and the
-estimating one runs more requests at once under the same budget."""
+"""`python -m bench.elastic --quick`: one JSON object; tier off, on and on with residency give the same tokens, the
+resident worker misses nothing and admits as many at full load as the tier on; the two admission policies give the
+same tokens, and the estimating one runs more requests at once under the same budget."""
 
 from __future__ import annotations
 
@@ -30,5 +31,11 @@ def test_quick_run():
     assert final["tokens"] == estimate["tokens"]
     assert estimate["most_decoding_at_once"] > final["most_decoding_at_once"]
     assert estimate["resumes"] == estimate["pauses"]
-    assert set(result["not_measured"]) == {"step_ratio_at_low_load", "tokens_admitted_under_full_load",
-                                           "shared_prefix_bytes", "handoff_bytes_per_turn"}
+    assert set(result["not_measured"]) == {"shared_prefix_bytes", "handoff_bytes_per_turn"}
+    low = result["low_load"]
+    assert low["identical_tokens"] is True and set(low["by_batch"]) == {"1", "2"}
+    assert low["on_resident_view_kinds"].get("resident", 0) > 0
+    assert all(row["on_resident_misses_last_repeat"] == 0 for row in low["by_batch"].values())
+    full = result["full_load"]["by_tier"]
+    assert full["on_resident"]["requests"] == full["on"]["requests"] > full["off"]["requests"]
+    assert full["on_resident"]["promotions"] > 0 and full["on_resident"]["resident_requests"] == 0
