@@ -688,6 +688,8 @@ class TieredStore(KVStore):
         if self._reclaim(room):
             return True
         kq = self.geo.c4_pages_per_block
+        if self.pages.num_free - room < kq:
+            return False  # not even a one-block request could grow: the common case at load, no scan
         for r in sorted((r for r in self.residents.values() if r.filled and not r.c4_pages), key=lambda r: len(r.blocks)):
             if self.pages.num_free - len(r.blocks) * kq < room or not self.make_resident(r.request_id):
                 break
