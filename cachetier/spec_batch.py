@@ -208,7 +208,7 @@ class SpecBatch(TieredBatch):
         rate = self.cfg.csa_rate
         j = g.csa_index[layer]
         valid = (ids >= 0) & self.verified[:, None]
-        old = valid & (ids < (self.base // rate)[:, None])  # complete before this step: in the host pool
+        old = valid & (ids < (self.base // rate)[:, None])  # complete before this step: stored (host pool, resident pages)
         new = valid & ~old  # emitted by a position of this step
         pool = self.arena.view(-1, g.md)
         if self.c4_mode != TIERED:  # what resident rows read: their C4 pages
