@@ -145,12 +145,11 @@ def low_load(model, prompts: list[list[int]], batches: list[int], tokens: int, r
         ref = None
         for rep in range(repeats):
             for name, w in workers.items():  # by turns: the three share whatever else the machine does
-                before = dict(w.store.counter_totals())
+                before = w.store.counter_totals()["misses"] if name == "on_resident" else 0
                 run = drive(w, reqs, warmup_steps=2)
                 ms[name].append(1e3 * run.seconds / max(1, run.steps - 2))
                 if name == "on_resident":
-                    after = w.store.counter_totals()
-                    misses = after["misses"] - before["misses"]
+                    misses = w.store.counter_totals()["misses"] - before
                     kinds = dict(w.store.mode_steps)
                 ref = ref or run.tokens
                 identical &= run.tokens == ref
@@ -176,8 +175,6 @@ def low_load(model, prompts: list[list[int]], batches: list[int], tokens: int, r
 
 def full_load(context: int, max_tokens: int, budget: int) -> dict:
     """Requests admitted under one budget until admission stops: tier off, on, on with residency."""
-    import dataclasses as dc
-
     from bench.tier import admit_until_full, synthetic_layout
     from cachetier.store import TieredStore
     from core.types import SamplingParams
@@ -190,7 +187,7 @@ def full_load(context: int, max_tokens: int, budget: int) -> dict:
     for name, kw in LOW_LOAD_TIERS.items():
         tier = TierConfig(device_budget_bytes=budget, max_running=100_000, host_pool_bytes=16 * budget if kw["offload"] else None,
                           **kw)
-        store = TieredStore(dc.replace(cfg), tier)
+        store = TieredStore(cfg, tier)
         n = admit_until_full(store, lay, sp)
         st = store.stats()
         out["by_tier"][name] = {"requests": n, "tokens": n * context, "pages_free_at_end": st["pages_free"],

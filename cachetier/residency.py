@@ -4,8 +4,8 @@ With the tier on, every C4 entry has its authoritative copy in the host pool, so
 is a choice the store can make per request and undo at any time without losing anything. A resident request
 holds `Geometry.c4_pages_per_block` extra pages per classical block, taken from the same page pool as
 everyone's blocks and state groups; its steps read C4 rows straight from them (no hot-buffer lookup, no miss,
-no resolve), while new entries still go to the host pool as well. A request that is not resident reads through
-its hot buffer as without this option.
+no resolve) and write new entries there only: they reach the host pool when the request shrinks or pauses
+(`TieredStore._write_back`). A request that is not resident reads through its hot buffer as without this option.
 
 The store applies the rule on the step thread only (`TieredStore.rebalance`, before every step, and
 `TieredStore._reclaim` whenever growth or a resume needs pages):

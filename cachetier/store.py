@@ -114,9 +114,10 @@ class KVStore(ABC):
         """Bring a swapped-out request back onto the device (False: its pages, plus `spare_blocks`, are not free)."""
         raise NotImplementedError(f"{type(self).__name__} does not swap requests out")
 
-    def rebalance(self) -> bool:
+    def rebalance(self, new_step: bool = True) -> bool:
         """Step thread, before a step: let a store that keeps some requests' entries on the device while it has room
-        adjust to the room now (`cachetier.residency`); True when it freed pages for an admission."""
+        adjust to the room now (`cachetier.residency`); True when it freed pages for an admission. `new_step`: once
+        per step (what the residency rule counts its steps by); False for a second call before the same step."""
         return False
 
     def finished(self, request_id: str, generated: int) -> None:  # noqa: B027 - only an estimating store listens
@@ -515,9 +516,9 @@ class TieredStore(KVStore):
         need = self.geo.blocks_for(min(r.num_tokens + ahead, r.reserve_tokens)) - len(r.blocks)
         if need <= 0:
             return True
-        if self.pages.num_free < self._growth_pages(r, need):
-            self._reclaim(self._growth_pages(r, need))  # resident C4 pages go first (possibly this request's own)
         total = self._growth_pages(r, need)
+        if self.pages.num_free < total and self._reclaim(total):  # resident C4 pages go first
+            total = self._growth_pages(r, need)  # this request's own may have gone
         with self._alloc_lock:
             if self.pages.num_free < total:
                 return False
@@ -677,13 +678,14 @@ class TieredStore(KVStore):
             dropped = True
         return dropped
 
-    def rebalance(self) -> bool:
+    def rebalance(self, new_step: bool = True) -> bool:
         """Step thread, before a step: residency follows the room (`cachetier.residency`): below the headroom the
         largest resident requests shrink; above it plus a request's C4 pages, the smallest filled ones grow. True when
         a request shrank (pages were freed for an admission)."""
         if self.residency is None:
             return False
-        self.residency.tick()
+        if new_step:
+            self.residency.tick()
         room = self.residency.headroom(len(self.residents))
         if self._reclaim(room):
             return True

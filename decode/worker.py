@@ -392,7 +392,7 @@ class DecodeWorker:
         while self.waiting and not self.paused and len(self.running) < self.max_running:
             req = self.waiting[0]
             if not self.store.fits(req.reserve_tokens, req.context_tokens) and not (
-                    self.store.rebalance() and self.store.fits(req.reserve_tokens, req.context_tokens)):
+                    self.store.rebalance(new_step=False) and self.store.fits(req.reserve_tokens, req.context_tokens)):
                 break  # arrival order: nobody jumps the queue
             self.waiting.popleft()
             self.store.admit(req.request_id, req.layout, req.reserve_tokens)
