@@ -230,6 +230,49 @@ _ALIGN = 64  # byte alignment of every tensor in a packed buffer (any dtype can 
 _PARTS = ("kv", "score", "prev_kv", "prev_score")
 
 
+SKIPPED_TOKENS = "skipped_tokens"
+"""`KVLayout.meta` key of a layout that leaves out the classical entries of its first `meta[SKIPPED_TOKENS]` tokens
+(`without_prefix`): a follow-up turn's handoff to the decode actor that kept them (`cachetier.retention`)."""
+
+
+def skipped_tokens(layout: KVLayout) -> int:
+    return int(layout.meta.get(SKIPPED_TOKENS, 0))
+
+
+def without_prefix(layout: KVLayout, cfg: ModelConfig, tokens: int) -> KVLayout:
+    """The layout less the classical entries (C4 and HCA entries, indexer keys) of its first `tokens` tokens, a
+    multiple of both compress rates: views, no copy; the state travels whole. `with_prefix` puts them back."""
+    if not tokens:
+        return layout
+    if tokens > layout.num_tokens or tokens % cfg.csa_rate or tokens % cfg.hca_rate:
+        raise ValueError(f"a layout of {layout.num_tokens} tokens cannot leave out its first {tokens}: at most all of "
+                         f"them, a multiple of both compress rates ({cfg.csa_rate}, {cfg.hca_rate})")
+    layers = []
+    for i, lk in enumerate(layout.layers):
+        rate = cfg.compress_rate(i)
+        cut = tokens // rate if rate else 0
+        layers.append(LayerKV(lk.kind, lk.window, None if lk.entries is None else lk.entries[cut:],
+                              None if lk.index_keys is None else lk.index_keys[cut:], lk.compressor, lk.index_compressor))
+    return KVLayout(layout.num_tokens, layers, {**layout.meta, SKIPPED_TOKENS: tokens})
+
+
+def with_prefix(layout: KVLayout, prefix: list[tuple[torch.Tensor | None, torch.Tensor | None]]) -> KVLayout:
+    """A layout made by `without_prefix` with its left-out entries given back: `prefix[i]` is layer i's (entries,
+    indexer keys) of the skipped tokens, in the layout's row types. Returns a whole layout (new tensors)."""
+    layers = []
+    for lk, (ents, keys) in zip(layout.layers, prefix, strict=True):
+        def joined(head, tail):
+            if tail is None:
+                return None
+            if head is None or head.shape[1:] != tail.shape[1:] or head.dtype != tail.dtype:
+                raise ValueError("the kept prefix's rows do not match the layout's")
+            return torch.cat((head.to(tail.device), tail))
+        layers.append(LayerKV(lk.kind, lk.window, joined(ents, lk.entries), joined(keys, lk.index_keys), lk.compressor,
+                              lk.index_compressor))
+    meta = {k: v for k, v in layout.meta.items() if k != SKIPPED_TOKENS}
+    return KVLayout(layout.num_tokens, layers, meta)
+
+
 def layout_format(cfg: ModelConfig, dtype: torch.dtype) -> str:
     """What a layout's bytes mean: version, dtype and the geometry that shapes them. A decode side
     accepts a layout only when its own format is the same string (a mismatch is refused, not guessed)."""

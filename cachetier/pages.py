@@ -125,6 +125,13 @@ class BlockAllocator:
             self.owner[b] = owner
         return out
 
+    def transfer(self, owner: str, new_owner: str, blocks: list[int]) -> None:
+        """Blocks `owner` holds change hands (none is freed)."""
+        for b in blocks:
+            if self.owner[b] != owner:
+                raise RuntimeError(f"host block {b} is owned by {self.owner[b]!r}, not {owner!r}")
+            self.owner[b] = new_owner
+
     def free(self, owner: str, blocks: list[int]) -> None:
         for b in blocks:
             if self.owner[b] != owner:

@@ -93,6 +93,16 @@ def page_digest(parent: str, tokens: tuple[int, ...]) -> str:
     return hashlib.blake2b(parent.encode() + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).hexdigest()
 
 
+def page_keys(tokens, page: int) -> tuple[str, ...]:
+    """The chain keys of every full page of `tokens` (pages of `page` tokens), shallowest first: key k names
+    tokens[: (k + 1) * page]."""
+    out, h = [], ROOT
+    for k in range(len(tokens) // page):
+        h = page_digest(h, tuple(tokens[k * page : (k + 1) * page]))
+        out.append(h)
+    return tuple(out)
+
+
 @dataclass
 class PrefixHit:
     """A lookup's answer. `tokens` > 0: resume prefill at that boundary from `segs` + `state`."""

@@ -38,6 +38,13 @@ class Resident:
     c4_host_upto: int = 0
     """While resident: its C4 entries below this one have their host-pool copy; those appended since are on the device
     only and are written back when it shrinks (`TieredStore.drop_resident`)."""
+    prefix_keys: tuple[str, ...] = ()
+    """Chain keys of its handed-off context's full pages (`cachetier.prefix.page_keys`), given with the reservation:
+    the name its prompt pages are kept under when it finishes (`cachetier.retention`)."""
+    held: object = None
+    """The kept entry (`cachetier.retention.Kept`) whose pages its layout leaves out, from reservation until `fill`."""
+    held_tokens: int = 0
+    """Tokens of those pages: the handoff leaves out their classical entries (0: a whole layout)."""
     tables_version: int = 0
     """Bumped whenever its pages change while it runs (it grew, or came back from host memory in other pages), so a
     step view rebuilds the block tables it keeps."""

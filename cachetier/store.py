@@ -22,10 +22,11 @@ from cachetier.batch import INDEX, MAIN, DecodeKV, LayoutBatch
 from cachetier.buckets import context_blocks
 from cachetier.geometry import Field, Geometry, block_rows, resident_c4_rows
 from cachetier.hot_tier import HotTier
-from cachetier.layout import KVLayout
+from cachetier.layout import KVLayout, skipped_tokens, with_prefix
 from cachetier.pages import BlockAllocator, OutOfPages, PageAllocator
 from cachetier.residency import ResidencyPolicy
 from cachetier.resident import Resident, is_resident, num_tokens_of
+from cachetier.retention import Kept, Retention
 from cachetier.spec_batch import SpecBatch
 from cachetier.tiered_batch import MIXED, RESIDENT, TIERED, TieredBatch
 from core import device as devices
@@ -75,9 +76,11 @@ class KVStore(ABC):
         """Whether `reserve` of a request of this final length, whose layout holds `context_tokens`, would succeed now."""
 
     @abstractmethod
-    def reserve(self, request_id: str, reserve_tokens: int, context_tokens: int | None = None) -> bool:
+    def reserve(self, request_id: str, reserve_tokens: int, context_tokens: int | None = None,
+                prefix_keys: tuple[str, ...] = ()) -> bool:
         """Take the pages a request of final length `reserve_tokens` needs now (its layout holds `context_tokens`,
-        None when it is not prefilled yet); False if they are not free."""
+        None when it is not prefilled yet); False if they are not free. `prefix_keys`: its context's page keys, which
+        a store that keeps finished requests' pages matches (`held_tokens`)."""
 
     @abstractmethod
     def fill(self, request_id: str, layout: KVLayout) -> None:
@@ -94,8 +97,14 @@ class KVStore(ABC):
             raise
 
     @abstractmethod
-    def free(self, request_id: str) -> None:
-        ...
+    def free(self, request_id: str, keep: bool = False) -> None:
+        """Return what a request holds; `keep`: it finished, and a store that keeps prompt pages for follow-up turns
+        may keep its (`cachetier.retention`)."""
+
+    def held_tokens(self, request_id: str) -> int:
+        """Tokens at the start of a reserved request's context whose classical entries this store already holds (its
+        handoff leaves them out); 0 for a store that keeps nothing."""
+        return 0
 
     @abstractmethod
     def holds(self, request_id: str) -> bool:
@@ -175,7 +184,7 @@ class LayoutStore(KVStore):
     def fits(self, reserve_tokens, context_tokens=None) -> bool:
         return True
 
-    def reserve(self, request_id, reserve_tokens, context_tokens=None) -> bool:
+    def reserve(self, request_id, reserve_tokens, context_tokens=None, prefix_keys=()) -> bool:
         if request_id in self.layouts:
             raise ValueError(f"request {request_id} already holds pages")
         self.layouts[request_id] = None
@@ -184,7 +193,7 @@ class LayoutStore(KVStore):
     def fill(self, request_id, layout) -> None:
         self.layouts[request_id] = layout.clone()
 
-    def free(self, request_id) -> None:
+    def free(self, request_id, keep=False) -> None:
         del self.layouts[request_id]
 
     def holds(self, request_id) -> bool:
@@ -221,6 +230,8 @@ class TieredStore(KVStore):
             self.hot = HotTier(g, self.arena, self.device, pin=dev.pin_host_memory and self.device.type == "cuda")
             self.host_alloc = BlockAllocator(g.num_host_blocks)
         self.residents: dict[str, Resident] = {}
+        self.retention = Retention(tier.retain_bytes if self.hot is not None else 0)
+        """Finished requests' prompt pages kept for a follow-up turn (`cachetier.retention`; budget 0: none)."""
         self.policy = ReservePolicy(tier)
         self.grows = self.policy.elastic
         self.swapped: dict[str, Swapped] = {}
@@ -285,9 +296,20 @@ class TieredStore(KVStore):
     def fits(self, reserve_tokens: int, context_tokens: int | None = None) -> bool:
         nb, nh = self._blocks_to_take(reserve_tokens, context_tokens)
         with self._alloc_lock:
-            if self.host_alloc is not None and self.host_alloc.num_free < nh:
+            if self.host_alloc is not None and self.host_alloc.num_free + self.retention.host_blocks < nh:
                 return False
             return self._pages_free_for(nb)
+
+    def _host_room(self, n: int, spare: Kept | None) -> bool:
+        """Whether `n` host blocks are free now, dropping kept entries (least recently kept first, never `spare`)
+        until they are (lock held)."""
+        while self.host_alloc.num_free < n:
+            k = self.retention.pop_oldest(spare)
+            if k is None:
+                return False
+            self.retention.evicted()
+            self.host_alloc.free(k.owner, k.host_blocks)
+        return True
 
     def _pages_free_for(self, nb: int) -> bool:
         """Whether a state group and `nb` blocks are free now (lock held); if not, residency learns the demand."""
@@ -297,27 +319,47 @@ class TieredStore(KVStore):
             self.residency.refused(self.geo.group_pages + nb)
         return False
 
-    def reserve(self, request_id: str, reserve_tokens: int, context_tokens: int | None = None) -> bool:
+    def reserve(self, request_id: str, reserve_tokens: int, context_tokens: int | None = None,
+                prefix_keys: tuple[str, ...] = ()) -> bool:
         """Take a state group and the blocks the reserve policy gives a request of `reserve_tokens` tokens now, and its
-        host blocks at that final length."""
+        host blocks at that final length. `prefix_keys`: the chain keys of its context's full pages
+        (`cachetier.prefix.page_keys`); a kept entry they extend is taken over (`held_tokens`: what its handoff may
+        leave out), and the request is kept under them when it finishes (`free(keep=True)`)."""
         nb, nh = self._blocks_to_take(reserve_tokens, context_tokens)
+        keys = tuple(prefix_keys)
         with self._alloc_lock:
             if request_id in self.residents or request_id in self.swapped:
                 raise ValueError(f"request {request_id} already holds pages")
-            if self.host_alloc is not None and self.host_alloc.num_free < nh:
-                return False
+            kept = self.retention.match(keys) if self.retention.enabled and keys else None
+            if kept is not None and kept.num_pages > nh:
+                kept = None
             if not self._pages_free_for(nb):
+                return False
+            if self.host_alloc is not None and not self._host_room(nh - (kept.num_pages if kept else 0), kept):
                 return False
             if self.residency is not None:
                 self.residency.admitted()
             group, blocks = self.pages.allocate(request_id, nb)
-            host_blocks = self.host_alloc.allocate(request_id, nh) if self.host_alloc is not None else []
+            host_blocks = []
+            if kept is not None:
+                self.retention.take(kept)
+                self.host_alloc.transfer(kept.owner, request_id, kept.host_blocks)
+                host_blocks = list(kept.host_blocks)
+            if self.host_alloc is not None:
+                host_blocks += self.host_alloc.allocate(request_id, nh - len(host_blocks))
             # host bookkeeping only: a reservation comes from the actor's event loop, and every device
             # operation of an actor runs on its step thread (`fill` makes the device tables)
             r = Resident(request_id, group, blocks, host_blocks, 0, reserve_tokens,
-                         np.array(blocks, dtype=np.int64), np.array(host_blocks, dtype=np.int64))
+                         np.array(blocks, dtype=np.int64), np.array(host_blocks, dtype=np.int64), prefix_keys=keys,
+                         held=kept, held_tokens=kept.num_pages * self.geo.block_tokens if kept else 0)
             self.residents[request_id] = r
         return True
+
+    def held_tokens(self, request_id: str) -> int:
+        """Tokens at the start of a reserved request's context whose classical entries are kept here: its handoff
+        leaves them out (`cachetier.layout.without_prefix`)."""
+        r = self.residents.get(request_id)  # read from the actor's loop: it may have lapsed already
+        return r.held_tokens if r is not None else 0
 
     def fill(self, request_id: str, layout: KVLayout) -> None:
         """Write a prefilled layout into its reserved pages: C4 entries straight into the host pool
@@ -330,12 +372,44 @@ class TieredStore(KVStore):
         room = min(r.reserve_tokens, len(r.blocks) * self.geo.block_tokens)
         if layout.num_tokens + 1 > room:
             raise ValueError(f"the layout of {request_id} has {layout.num_tokens} tokens but only {room} were reserved")
+        if skipped_tokens(layout) != r.held_tokens:
+            raise ValueError(f"the layout of {request_id} leaves out the entries of its first {skipped_tokens(layout)} "
+                             f"tokens, but this worker keeps {r.held_tokens} for it")
         r.blocks_t = torch.from_numpy(r.blocks_np).to(self.device, non_blocking=True)
         r.host_blocks_t = torch.from_numpy(r.host_blocks_np if len(r.host_blocks_np) else np.zeros(1, np.int64))
+        if r.held is not None:
+            layout = self._with_kept(r, layout)
+            r.held = None
         self._write_layout(r, layout)
         r.num_tokens = layout.num_tokens
         r.mtp_floor = layout.num_tokens  # its MTP ring starts empty: the first decode position is its first entry
         r.filled = True
+
+    def _with_kept(self, r: Resident, layout: KVLayout) -> KVLayout:
+        """The whole layout of a request whose handoff left out the pages kept for it: their C4 entries from its
+        first host blocks, their indexer keys and HCA entries from the kept copy of their device pages."""
+        g, kept = self.geo, r.held
+        m = kept.num_pages
+        fields = g.block_fields
+        keys = hca = None
+        if "index_keys" in fields:
+            f = fields["index_keys"]
+            keys = kept.pages[:, f.offset : f.offset + f.numel].reshape(m, *f.shape)  # [pages, csa layers, e4, row]
+        if "hca" in fields:
+            f = fields["hca"]
+            hca = kept.pages[:, f.offset : f.offset + f.numel].reshape(m, *f.shape)
+        host_rows = self.hot.host.rows(r.host_blocks_t, torch.arange(m * g.e4))
+        prefix = []
+        for layer, lk in enumerate(layout.layers):
+            if lk.kind == "csa":
+                j = g.csa_index[layer]
+                prefix.append((self.hot.host.kv[j, host_rows].to(lk.entries.dtype),
+                               keys[:, j].reshape(m * g.e4, -1).to(lk.index_keys.dtype)))
+            elif lk.kind == "hca":
+                prefix.append((hca[:, g.hca_index[layer]].reshape(m * g.eh, -1).to(lk.entries.dtype), None))
+            else:
+                prefix.append((None, None))
+        return with_prefix(layout, prefix)
 
     def holds(self, request_id: str) -> bool:
         return request_id in self.residents or request_id in self.swapped
@@ -346,7 +420,7 @@ class TieredStore(KVStore):
         with self._alloc_lock:
             reclaimable = sum(len(r.c4_pages) for r in self.residents.values())
             return {"pages_free": self.pages.num_free + reclaimable, "pages_total": self.geo.num_pages,
-                    "host_blocks_free": self.host_alloc.num_free if self.host_alloc else 0,
+                    "host_blocks_free": self.host_alloc.num_free + self.retention.host_blocks if self.host_alloc else 0,
                     "host_blocks_total": self.host_alloc.num_blocks if self.host_alloc else 0}
 
     def _check_rows(self, layout: KVLayout) -> None:
@@ -494,15 +568,42 @@ class TieredStore(KVStore):
                 kv[start : start + n - full * e4] = src[full * e4 :]
         self.hot.forget(j, r.group, rows["map"])
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, keep: bool = False) -> None:
+        """Return what a request holds. `keep` (it finished): its prompt pages stay for a follow-up turn, within the
+        retention budget (`cachetier.retention`)."""
+        kept = self._to_keep(self.residents.get(request_id)) if keep else None
         with self._alloc_lock:
             if request_id in self.swapped:
                 r = self.swapped.pop(request_id).resident
             else:
                 r = self.residents.pop(request_id)
                 self.pages.free(request_id, r.group, r.blocks + r.c4_pages)
-            if self.host_alloc is not None:
-                self.host_alloc.free(request_id, r.host_blocks)
+            if self.host_alloc is None:
+                return
+            rest = r.host_blocks
+            if kept is not None:
+                self.host_alloc.transfer(request_id, kept.owner, kept.host_blocks)
+                rest = r.host_blocks[kept.num_pages :]
+                for old in self.retention.add(kept):
+                    self.host_alloc.free(old.owner, old.host_blocks)
+            self.host_alloc.free(request_id, rest)
+
+    def _to_keep(self, r: Resident | None) -> Kept | None:
+        """What of a finishing request is kept (step thread: copies its prompt pages' device contents to the host);
+        None when retention is off or it does not fit the budget."""
+        g = self.geo
+        if r is None or not self.retention.enabled or not r.filled or not r.prefix_keys:
+            return None
+        m = min(len(r.prefix_keys), r.num_tokens // g.block_tokens, len(r.blocks), len(r.host_blocks))
+        nbytes = m * (g.host_block_bytes + g.page_elems * g.elem)
+        if not m or not self.retention.fits(nbytes):
+            if m:
+                self.retention.count["refused"] += 1
+            return None
+        if r.c4_pages:
+            self._write_back(r)  # the host pool must hold every entry of the kept pages
+        pages = self.arena.view(-1, g.page_elems)[r.blocks_t[:m]].to("cpu")
+        return Kept(f"kept:{r.request_id}", r.prefix_keys[:m], r.host_blocks[:m], pages, nbytes)
 
     def finished(self, request_id: str, generated: int) -> None:
         self.policy.finished(generated)
@@ -808,6 +909,8 @@ class TieredStore(KVStore):
             out.update(reserve="estimate", output_estimate_tokens=self.policy.estimate(), swapped=len(self.swapped),
                        swapped_bytes=sum(sw.pages.numel() * sw.pages.element_size() for sw in self.swapped.values()),
                        swaps=self.swaps, resumes=self.resumes)
+        if self.retention.enabled:
+            out.update(self.retention.stats())
         if self.residency is not None:
             out.update(resident_requests=sum(1 for r in self.residents.values() if r.c4_pages),
                        resident_c4_pages=sum(len(r.c4_pages) for r in self.residents.values()),
@@ -851,11 +954,20 @@ class TieredStore(KVStore):
         if h_owned + self.host_alloc.num_free != self.host_alloc.num_blocks:
             fail(f"host blocks: {h_owned} used + {self.host_alloc.num_free} free != {self.host_alloc.num_blocks}")
         holders = [*self.residents.values(), *(sw.resident for sw in self.swapped.values())]
-        if h_owned != sum(len(r.host_blocks) for r in holders):
-            fail("host blocks owned do not match the residents' and swapped requests' tables")
+        kept = list(self.retention.kept.values())
+        if h_owned != sum(len(r.host_blocks) for r in holders) + sum(len(k.host_blocks) for k in kept):
+            fail("host blocks owned do not match the residents', swapped requests' and kept entries' tables")
         for r in holders:
             if any(self.host_alloc.owner[b] != r.request_id for b in r.host_blocks):
                 fail(f"{r.request_id}: a host block it holds is owned by someone else")
+        for k in kept:
+            if any(self.host_alloc.owner[b] != k.owner for b in k.host_blocks):
+                fail(f"{k.owner}: a host block it keeps is owned by someone else")
+            if len(k.host_blocks) != k.num_pages or tuple(k.pages.shape) != (k.num_pages, g.page_elems):
+                fail(f"{k.owner}: {len(k.host_blocks)} host blocks and {tuple(k.pages.shape)} page rows for "
+                     f"{k.num_pages} pages")
+        if sum(k.nbytes for k in kept) != self.retention.nbytes or self.retention.nbytes > self.retention.budget:
+            fail(f"kept entries: {self.retention.nbytes} bytes counted, budget {self.retention.budget}")
         for r in self.residents.values():
             if not r.filled:
                 continue  # reserved only: nothing of it is written yet

@@ -90,16 +90,24 @@ class TierConfig:
     """Tier on: while the device budget has room, keep a request's C4 entries on the device in full (pages taken from
     the same pool), so its steps read them directly (no misses, no resolve); as admissions need the room the largest
     shrink back to their hot buffers, and they grow back when it returns (`cachetier.residency`, `--resident on`)."""
+    retain_bytes: int = 0
+    """Tier on: host bytes for finished requests' prompt pages kept for a follow-up turn (0: none kept;
+    `cachetier.retention`, `--retain-bytes`). Their C4 entries stay in the host pool's blocks, their indexer keys and
+    HCA entries are copied off the device; a next prompt that extends one is routed here and its handoff carries
+    only the pages after it. Kept pages are the first to go when admission needs host blocks."""
 
     def __post_init__(self) -> None:
         # whether the budget holds a request depends on the model: `cachetier.geometry.Geometry` decides that
         _at_least(self, max_running=1, device_budget_bytes=1, host_pool_bytes=0, block_tokens=1, speculative_tokens=0,
-                  output_estimate_tokens=1)
+                  output_estimate_tokens=1, retain_bytes=0)
         if self.reserve not in RESERVE_POLICIES:
             raise ValueError(f"reserve must be one of {RESERVE_POLICIES}, got {self.reserve!r}")
         if self.resident and not self.offload:
             raise ValueError("resident C4 entries (--resident on) need the tier on (--offload on): with it off every "
                              "C4 entry is on the device already")
+        if self.retain_bytes and not self.offload:
+            raise ValueError("keeping finished requests for follow-up turns (--retain-bytes) needs the tier on "
+                             "(--offload on): their C4 entries stay in its host pool")
 
 
 STATE_POLICIES = ("last", "every")
