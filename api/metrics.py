@@ -46,6 +46,11 @@ class _ClusterCollector:
         yield counter("hisparse_hot_buffer_misses", "Selected C4 entries copied in from the host pool", s.get("misses", 0))
         yield counter("hisparse_hot_buffer_h2d_bytes", "Bytes copied host to device by the tier", s.get("bytes_h2d", 0))
         yield counter("hisparse_handoff_bytes", "Layout bytes handed from prefill to decode", s.get("handoff_bytes", 0))
+        yield gauge("hisparse_kept_requests", "Finished requests whose prompt pages decode actors keep for a follow-up turn",
+                    s.get("kept_requests", 0))
+        yield gauge("hisparse_kept_bytes", "Host bytes of the prompt pages decode actors keep", s.get("kept_bytes", 0))
+        yield counter("hisparse_kept_reused_pages", "Kept pages follow-up turns used (their handoffs left them out)",
+                      s.get("kept_reused_pages", 0))
         yield gauge("hisparse_decode_actors_alive", "Decode actors answering", s.get("decode_alive", 0))
         yield gauge("hisparse_prefill_actors_alive", "Prefill actors answering", s.get("prefill_alive", 0))
         yield gauge("hisparse_integrity_errors", "Failed idle integrity checks on decode actors", s.get("integrity_errors", 0))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from cachetier.prefix import ROOT, page_digest
+from cachetier.prefix import page_keys
 
 
 class PrefixAffinity:
@@ -28,11 +28,7 @@ class PrefixAffinity:
         """Routing decisions: to the actor holding the prefix; away from it for load; no prefix known."""
 
     def keys(self, tokens: Sequence[int]) -> list[str]:
-        out, h = [], ROOT
-        for k in range(len(tokens) // self.page):
-            h = page_digest(h, tuple(tokens[k * self.page : (k + 1) * self.page]))
-            out.append(h)
-        return out
+        return list(page_keys(tokens, self.page))
 
     def matched_pages(self, name: str, keys: list[str]) -> int:
         seen = self.seen.get(name)

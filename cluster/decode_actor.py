@@ -154,7 +154,8 @@ class DecodeActor(ReplicaRank):
         g = self.store.geo
         return DecodeInfo(name=self.name, node_id=ray.get_runtime_context().get_node_id(), pid=os.getpid(),
                           layout_format=self.format, describe=describe_worker(self.model, self.worker.runner.mode),
-                          capacity=Capacity(g.num_pages, g.group_pages, g.block_tokens, self.worker.max_running),
+                          capacity=Capacity(g.num_pages, g.group_pages, g.block_tokens, self.worker.max_running,
+                                            keeps=self.store.retention.enabled),
                           **self._rank_info())
 
     def report(self) -> Report:
@@ -163,16 +164,22 @@ class DecodeActor(ReplicaRank):
         return Report(self.name, cap["pages_free"], cap["pages_total"], cap["host_blocks_free"], len(w.running),
                       len(w.waiting) + len(w.arrivals), len(w.reserved), self.thread.stalled_s(), self._stats)
 
-    async def reserve(self, owner: str, key: str, reserve_tokens: int) -> tuple[bool, Report]:
-        """Hold pages for `key` until its layout arrives (or its lease lapses); False if there is no room now."""
+    async def reserve(self, owner: str, key: str, reserve_tokens: int,
+                      prefix_keys: tuple[str, ...] = ()) -> tuple[bool, Report, int]:
+        """Hold pages for `key` until its layout arrives (or its lease lapses); False if there is no room now.
+        `prefix_keys`: its context's page keys; the third value is how many of its first tokens' classical entries
+        are kept here from an earlier turn (its handoff leaves them out)."""
         self.loop = asyncio.get_running_loop()
         self.outboxes.setdefault(owner, Outbox())
         self.last_poll.setdefault(owner, time.monotonic())
-        ok = self.worker.reserve(key, reserve_tokens, owner, lease_s=self.deadlines.reservation_lease_s)
+        ok = self.worker.reserve(key, reserve_tokens, owner, lease_s=self.deadlines.reservation_lease_s,
+                                 prefix_keys=tuple(prefix_keys))
+        held = 0
         if ok:
+            held = self.store.held_tokens(key)
             self.owner_of[key] = owner
             self.thread.wake.set()  # the step thread watches the lease
-        return ok, self.report()
+        return ok, self.report(), held
 
     async def admit(self, h: Handoff, packed) -> float:
         """A prefilled request for pages reserved earlier; returns once it is queued for the step thread."""

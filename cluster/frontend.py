@@ -80,9 +80,12 @@ class Frontend:
                 self.affinity.seed(i.name, list(i.prefix_pages))
         self.collectors = Collectors()
         room = asyncio.Event()
+        keeps = [i.capacity.block_tokens for _, i in decode if i.capacity.keeps]
+        self.kept = PrefixAffinity(keeps[0], 0) if keeps else None
+        """Follow-up routing: the page keys of prompts that finished on each decode actor that keeps them."""
         self.members = Membership([Member(h, i.name, i) for h, i in prefill], [Member(h, i.name, i) for h, i in decode],
-                                  self.deadlines, self.id, self.collectors, room, self.affinity)
-        self.placement = Placement(self.members, self.deadlines, room, self.affinity)
+                                  self.deadlines, self.id, self.collectors, room, self.affinity, self.kept)
+        self.placement = Placement(self.members, self.deadlines, room, self.affinity, self.kept)
         self.prefill, self.decode = self.members.prefill, self.members.decode
         self.retries = {"prefill": 0, "decode": 0}
         self.handoffs: deque[tuple[int, float]] = deque(maxlen=10_000)
@@ -193,9 +196,10 @@ class Frontend:
             dm: Member | None = None
             release = True  # whether the decode side may still hold something of this attempt when it ends
             try:
+                keys, held = (), 0
                 if sp.max_tokens > 0:
-                    dm = await self.placement.reserve(attempt, exclude)
-                target = DecodeTarget(dm.handle, dm.name, self.id) if dm is not None else None
+                    dm, keys, held = await self.placement.reserve(attempt, exclude)
+                target = DecodeTarget(dm.handle, dm.name, self.id, held) if dm is not None else None
                 out = await self._run_prefill(attempt, target)
                 if out.handed_off:
                     self.handoffs.append((out.layout_bytes, out.handoff_s))
@@ -210,7 +214,9 @@ class Frontend:
                     events = await col.take(self.deadlines.token_timeout_s)
                     generated += [e.token.token_id for e in events]
                     if events[-1].finish_reason is not None:
-                        release = False  # finished on the decode side, which freed it already
+                        release = False  # finished on the decode side, which freed it already (or kept its pages)
+                        if keys and dm.info.capacity.keeps:
+                            self.kept.record(dm.name, list(keys))
                     yield Output(events)
                     if not release:
                         return

@@ -71,10 +71,13 @@ class Member:
 
 class Membership:
     def __init__(self, prefill: list[Member], decode: list[Member], deadlines: DeadlineConfig, owner: str,
-                 collectors: Collectors, room: asyncio.Event, affinity: PrefixAffinity | None) -> None:
+                 collectors: Collectors, room: asyncio.Event, affinity: PrefixAffinity | None,
+                 kept: PrefixAffinity | None = None) -> None:
         self.prefill, self.decode = prefill, decode
         self.deadlines, self.owner = deadlines, owner
         self.collectors, self.room, self.affinity = collectors, room, affinity
+        self.kept = kept
+        """What each decode actor keeps for follow-up turns, as this frontend saw requests finish there."""
         self._tasks: list[asyncio.Task] = []
         self._running = False
 
@@ -209,6 +212,8 @@ class Membership:
             m.dead_group = m.info.replica_group
             if self.affinity is not None:  # a restarted actor starts with an empty cache (or only its disk tier)
                 self.affinity.forget(m.name)
+            if self.kept is not None:  # and a restarted decode actor keeps nothing
+                self.kept.forget(m.name)
         else:
             m.hung = True
         log.warning("%s; moving %d request(s) of this gateway elsewhere", why, len(m.keys))

@@ -5,7 +5,9 @@
 - `reserve`: the decode actor with the most free pages (by its latest report) that may fit the request at its
   final length — room in pages and under its request cap — reserves its pages; with no room anywhere the
   request waits in one bounded queue until a report shows room, and past `queue_timeout_s` fails with 503
-  before any token exists.
+  before any token exists. Decode actors that keep finished prompts' pages (`cachetier.retention`) are asked
+  first when a prompt that finished there is the longest prefix of this one (a chat's next turn), with the
+  context's page keys, so the handoff can leave the kept pages out.
 - `pick_prefill`: the prefill actor holding the longest cached prefix of the prompt (within the affinity load
   cap), else the least loaded.
 """
@@ -23,10 +25,16 @@ from core.request import Attempt, Request
 from core.types import CapacityError, NeverFitsError, WorkerUnavailable
 
 
+def context_tokens(attempt: Attempt) -> list[int]:
+    """What an attempt prefills: the prompt and every generated token but the last (the next step's input)."""
+    return list(attempt.prompt_token_ids) + list(attempt.generated[:-1])
+
+
 class Placement:
     def __init__(self, members: Membership, deadlines: DeadlineConfig, room: asyncio.Event,
-                 affinity: PrefixAffinity | None) -> None:
+                 affinity: PrefixAffinity | None, kept: PrefixAffinity | None = None) -> None:
         self.members, self.deadlines, self.room, self.affinity = members, deadlines, room, affinity
+        self.kept = kept
         self.waiting = 0
         """Requests of this frontend waiting for decode capacity."""
 
@@ -47,12 +55,14 @@ class Placement:
         r = m.report
         return r is None or (r.pages_free >= pages and r.running + r.reserved + r.waiting < m.info.capacity.max_running)
 
-    async def reserve(self, attempt: Attempt, exclude: set[str]) -> Member:
-        """Reserve the attempt's pages on a decode actor, waiting in the bounded queue for room (503 past the deadline)."""
+    async def reserve(self, attempt: Attempt, exclude: set[str]) -> tuple[Member, tuple[str, ...], int]:
+        """Reserve the attempt's pages on a decode actor, waiting in the bounded queue for room (503 past the deadline)
+        -> (the actor, the page keys it was given, tokens whose classical entries it kept from an earlier turn)."""
         if self.waiting >= self.deadlines.max_queued_requests:
             raise CapacityError(f"{self.waiting} requests already wait for decode capacity; retry shortly",
                                 retry_after_s=min(self.deadlines.queue_timeout_s, 5.0))
         tokens = attempt.reserve_tokens
+        keys = tuple(self.kept.keys(context_tokens(attempt))) if self.kept is not None else ()
         deadline = time.monotonic() + self.deadlines.queue_timeout_s
         self.waiting += 1
         try:
@@ -61,11 +71,15 @@ class Placement:
                 live = [m for m in usable if m.name not in exclude] or usable
                 self.room.clear()
                 fits = [m for m in live if self.might_fit(m, m.info.capacity.pages_for(tokens))]
-                for m in sorted(fits, key=lambda m: m.pending_pages - (m.report.pages_free if m.report else 0)):
+                kept = {m.name: self.kept.matched_pages(m.name, list(keys)) for m in fits} if keys else {}
+                for m in sorted(fits, key=lambda m: (-kept.get(m.name, 0),
+                                                     m.pending_pages - (m.report.pages_free if m.report else 0))):
                     pages = m.info.capacity.pages_for(tokens)
                     m.pending_pages += pages
+                    sent = keys if m.info.capacity.keeps else ()
                     try:
-                        ok, m.report = await _await(m.handle.reserve.remote(self.members.owner, attempt.key, tokens))
+                        ok, m.report, held = await _await(
+                            m.handle.reserve.remote(self.members.owner, attempt.key, tokens, sent))
                     except ACTOR_GONE:
                         self.members.lose(m, f"decode actor {m.name} died", dead=True)
                         continue
@@ -73,7 +87,7 @@ class Placement:
                         m.pending_pages -= pages
                     if ok:
                         m.keys.add(attempt.key)
-                        return m
+                        return m, sent, held
                 left = deadline - time.monotonic()
                 if left <= 0:
                     if not live:  # dead or stuck, and none came back in time (Ray restarts dead ones)
@@ -97,7 +111,7 @@ class Placement:
             if live:
                 loads = {m.name: sum(m.load.values()) + (m.stats.queued_tokens if m.stats else 0) for m in live}
                 if self.affinity is not None:
-                    name = self.affinity.pick(loads, list(attempt.prompt_token_ids) + list(attempt.generated[:-1]))
+                    name = self.affinity.pick(loads, context_tokens(attempt))
                     return next(m for m in live if m.name == name)
                 return min(live, key=lambda m: loads[m.name])
             if time.monotonic() >= deadline:

@@ -18,7 +18,7 @@ import time
 
 import ray
 
-from cachetier.layout import layout_format, pack_layout
+from cachetier.layout import layout_format, pack_layout, without_prefix
 from cluster.describe import describe_worker
 from cluster.protocol import ACTOR_GONE, DecodeTarget, Handoff, PrefillInfo, PrefillOutcome, PrefillStats, StepFailure, WorkerLost
 from cluster.replica import ReplicaRank
@@ -84,6 +84,9 @@ class PrefillActor(ReplicaRank):
         self.futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self.in_handoff: dict[str, int] = {}
         self.exports: dict[str, tuple[object, float]] = {}  # direct tensor transports: layouts waiting to be moved
+        self.skip: dict[str, int] = {}
+        """Tokens whose classical entries the target decode actor kept from an earlier turn, per request: its handoff
+        leaves them out (`cachetier.layout.without_prefix`). Set on the loop before the request reaches the step thread."""
         self.handoffs = 0
         self.bytes_sent = 0
         self._snapshot = PrefillStats(name=name)
@@ -116,7 +119,7 @@ class PrefillActor(ReplicaRank):
             packed = None
             try:
                 if res.finish_reason is None:  # it goes on to decode: pack here, off the event loop
-                    packed = pack_layout(res.layout, self.format)
+                    packed = pack_layout(without_prefix(res.layout, self.model.cfg, self.skip.pop(res.key, 0)), self.format)
                     if self.transport != "object_store":
                         import torch
 
@@ -127,6 +130,7 @@ class PrefillActor(ReplicaRank):
                 continue
             finally:
                 res.layout = None
+                self.skip.pop(res.key, None)
             self._settle(res.key, value=(res, packed))
         for f in self.worker.take_failures():
             self._settle(f.request_id, error=StepFailure(f.message))
@@ -172,12 +176,16 @@ class PrefillActor(ReplicaRank):
             except BaseException as e:
                 resolve(loop, fut, error=e)
 
+        if target is not None and target.held_tokens:
+            self.skip[req.key] = target.held_tokens
         self.thread.call(submit)
         try:
             res, packed = await fut
         except asyncio.CancelledError:  # the caller left while the prompt was being prefilled
             self.thread.call(lambda: self._abort_now(req.key))
             raise
+        finally:
+            self.skip.pop(req.key, None)
         out = PrefillOutcome(req.key, res.first_token, res.finish_reason, res.prompt_logprobs, res.prompt_len, False)
         if res.finish_reason is not None or target is None:
             return out

@@ -71,6 +71,9 @@ class DecodeTarget:
     handle: Any
     name: str
     owner: str
+    held_tokens: int = 0
+    """Tokens at the start of the context whose classical entries the decode actor kept from an earlier turn: the
+    handoff leaves them out (`cachetier.retention`)."""
 
 
 @dataclass
@@ -135,6 +138,9 @@ class Capacity:
     block_tokens: int
     max_running: int
     """Most requests it holds at once (reserved, arriving and running)."""
+    keeps: bool = False
+    """It keeps finished requests' prompt pages for follow-up turns (`--retain-bytes`): routing sends a prompt that
+    extends one back there, with its page keys (`cachetier.retention`)."""
 
     def pages_for(self, reserve_tokens: int) -> int:
         """Pages a request of this final length takes here (`cachetier.geometry.pages_for_request`)."""
@@ -195,6 +201,13 @@ class DecodeStats:
     promotions: int = 0
     demotions: int = 0
     """Requests grown resident and shrunk back to their hot buffers, since start."""
+    kept_requests: int = 0
+    """With `--retain-bytes`: finished requests whose prompt pages it keeps for a follow-up turn now."""
+    kept_bytes: int = 0
+    kept_reused: int = 0
+    kept_reused_pages: int = 0
+    """Reservations that took a kept entry over, and the pages their handoffs left out, since start."""
+    kept_evicted: int = 0
     handoffs: int = 0
     handoff_bytes: int = 0
     subscribers: int = 0
@@ -212,7 +225,8 @@ class DecodeStats:
 
 
 SUMMED_DECODE = ("running", "waiting", "reserved", "device_bytes_used", "device_bytes_total", "host_bytes_used",
-                 "host_bytes_total", "hits", "misses", "bytes_h2d", "failed_steps", "integrity_errors", "integrity_checks")
+                 "host_bytes_total", "hits", "misses", "bytes_h2d", "failed_steps", "integrity_errors", "integrity_checks",
+                 "kept_requests", "kept_bytes", "kept_reused", "kept_reused_pages", "kept_evicted")
 """The decode counters a frontend reports summed over its actors."""
 
 

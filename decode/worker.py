@@ -286,9 +286,11 @@ class DecodeWorker:
 
     # requests in and out -------------------------------------------------------------------------
 
-    def reserve(self, request_id: str, reserve_tokens: int, owner: str = "", lease_s: float = 60.0) -> bool:
+    def reserve(self, request_id: str, reserve_tokens: int, owner: str = "", lease_s: float = 60.0,
+                prefix_keys: tuple[str, ...] = ()) -> bool:
         """Hold a request's pages before its prefill; False when they are not free now (thread-safe).
-        Raises `NeverFitsError` when no budget could ever hold it."""
+        Raises `NeverFitsError` when no budget could ever hold it. `prefix_keys`: its context's page keys, for a
+        store that keeps finished requests' pages (`KVStore.held_tokens` then says what its handoff may leave out)."""
         self.store.check_fits_ever(request_id, reserve_tokens)
         with self._lock:
             if request_id in self.reserved or request_id in self.running:
@@ -297,7 +299,7 @@ class DecodeWorker:
                 return False
             if self.paused:  # paused requests get the room first
                 return False
-            if not self.store.reserve(request_id, reserve_tokens):
+            if not self.store.reserve(request_id, reserve_tokens, prefix_keys=prefix_keys):
                 return False
             self.reserved[request_id] = _Reservation(owner, time.monotonic() + lease_s)
         return True
@@ -482,7 +484,7 @@ class DecodeWorker:
         for r in range(len(groups), rounds):
             self._run_idle(plan, r)
         if ended:
-            self._leave(ended)
+            self._leave(ended, keep=True)
         self.steps += 1
         events = outputs[0] if len(outputs) == 1 else [ev for out in outputs for ev in out]
         self.tokens_out += len(events)
@@ -525,18 +527,23 @@ class DecodeWorker:
         self.paused.append(run)
         log.info("paused %s for room (%d paused)", request_id, len(self.paused))
 
-    def _leave(self, request_ids: list[str]) -> None:
-        """These running requests stop; their memory returns at once."""
+    def _leave(self, request_ids: list[str], keep: bool = False) -> None:
+        """These running requests stop; their memory returns at once (`keep`: those that finished rather than failed
+        may leave their prompt pages for a follow-up turn, `KVStore.free`)."""
         self._running_changed()
+        failed = {f.request_id for f in self.failures} if keep else set()
         for rid in request_ids:
-            self._release(rid, self.running.pop(rid))
+            self._release(rid, self.running.pop(rid), keep and rid not in failed)
 
-    def _release(self, request_id: str, run: _Running) -> None:
+    def _release(self, request_id: str, run: _Running, keep: bool = False) -> None:
         """A request that stops (running or paused): its history row and its memory in both tiers return."""
         if run.slot >= 0:
             self.history.free(run.slot)
         self.store.finished(request_id, run.num_generated)
-        self.store.free(request_id)
+        if keep:
+            self.store.free(request_id, keep=True)
+        else:
+            self.store.free(request_id)
 
     def _decode(self, g: _Group, ended: list[str], bucket: tuple[int, int] | None = None, span: int | None = None) -> StepTokens:
         """One forward over a group (in `bucket`, when the replica's ranks agreed on one, verifying `span` positions

@@ -106,7 +106,7 @@ def test_cancel_during_prefill(loop, service):
 def test_refused_and_mismatched_handoffs_let_go_of_the_layout(loop, service, tiny_model):
     p, d = service.actors.prefill[0], service.actors.decode[0]
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
-    ok, _ = ray.get(d.reserve.remote("test", "gone.0", 100))
+    ok, _, _ = ray.get(d.reserve.remote("test", "gone.0", 100))
     assert ok
     ray.get(d.abort.remote(["gone.0"]))  # the reservation is gone before the layout arrives
     with pytest.raises(RequestGone):
@@ -181,7 +181,7 @@ def test_full_decode_side_is_503_before_any_token(loop, service):
 
 def test_a_gateway_that_stops_polling_is_dropped(loop, service):
     d = service.actors.decode[1]
-    ok, _ = ray.get(d.reserve.remote("ghost", "ghost.0", 200))
+    ok, _, _ = ray.get(d.reserve.remote("ghost", "ghost.0", 200))
     assert ok and ray.get(d.stats.remote()).reserved == 1
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:

@@ -76,7 +76,7 @@ def test_reserve_admit_and_poll_run_no_tensor_op_on_the_event_loop(actor):
                 actor.format, packed.tensor_bytes)
 
     async def entry_points():
-        ok, _ = await actor.reserve("gw", "r1", len(prompt) + sampling.max_tokens)
+        ok, _, _ = await actor.reserve("gw", "r1", len(prompt) + sampling.max_tokens)
         assert ok
         await actor.admit(h, packed)
         tokens = []

@@ -52,8 +52,8 @@ def _report(running: int, reserved: int, waiting: int = 0, free: int = 900) -> R
 def test_a_decode_actor_at_its_request_cap_is_not_asked():
     """`might_fit` reads the actor's request cap (`max_running`): an actor whose running + reserved + arriving
     requests are at the cap gets no `reserve` call, however many pages it has free."""
-    async def reserve(owner, key, tokens):
-        return True, _report(1, 1)
+    async def reserve(owner, key, tokens, prefix_keys=()):
+        return True, _report(1, 1), 0
 
     full, free = _Handle(reserve=reserve), _Handle(reserve=reserve)
     fe = Frontend([(_Handle(), _prefill_info("p"))], [(full, _decode_info("full", 2)), (free, _decode_info("free", 2))])
@@ -61,8 +61,8 @@ def test_a_decode_actor_at_its_request_cap_is_not_asked():
     fe.decode[1].report = _report(running=1, reserved=0, free=10)
     assert not Placement.might_fit(fe.decode[0], 1) and Placement.might_fit(fe.decode[1], 1)
     attempt = Attempt(Request("r", (1, 2, 3), SamplingParams(max_tokens=4), 0), "r.0")
-    m = asyncio.run(fe.placement.reserve(attempt, set()))
-    assert m is fe.decode[1] and full.reserve.calls == 0 and free.reserve.calls == 1
+    m, keys, held = asyncio.run(fe.placement.reserve(attempt, set()))
+    assert m is fe.decode[1] and keys == () and held == 0 and full.reserve.calls == 0 and free.reserve.calls == 1
 
 
 def test_a_poll_loop_outlives_an_unexpected_error():
