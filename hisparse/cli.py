@@ -89,6 +89,7 @@ TIER = [
     Flag("--reserve", TierConfig, "reserve", {"choices": RESERVE_POLICIES}),
     Flag("--output-estimate-tokens", TierConfig, "output_estimate_tokens", {"type": int}),
     Flag("--resident", TierConfig, "resident", ON_OFF),
+    Flag("--retain-bytes", TierConfig, "retain_bytes", BYTES, bytes=True),
 ]
 STEP = [
     Flag("--decode-mode", StepConfig, "decode_mode", {"choices": DECODE_MODES}),

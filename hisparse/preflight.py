@@ -135,6 +135,10 @@ def check_generate(config: ServeConfig, tier: TierConfig) -> ModelConfig:
     """Everything `hisparse generate` can refuse before it loads the model (which runs on this machine)."""
     from core import device
 
+    if tier.retain_bytes:
+        raise ValueError("--retain-bytes keeps finished prompts' pages on a decode actor so that a follow-up turn's "
+                         "handoff can leave them out; `hisparse generate` runs one request in one process and hands "
+                         "nothing over: drop the flag, or use `hisparse serve`")
     model_dir, cfg = check_model(config.model, config.kv_format)
     check_budget(cfg, tier, device.serving_dtype(config.dtype, device.current().kind))
     check_speculation(config.model, model_dir, tier)

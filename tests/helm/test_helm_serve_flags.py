@@ -86,6 +86,18 @@ def test_resident_entries_reach_the_decode_flag(helm):
     assert parse_serve(serve_args(helm.render())).tier.resident is False
 
 
+def test_kept_pages_reach_the_decode_flag_and_count_in_the_decode_pod(helm):
+    assert parse_serve(serve_args(helm.render(sets=("serve.retainBytes=2GiB",)))).tier.retain_bytes == 2 * GiB
+    assert parse_serve(serve_args(helm.render())).tier.retain_bytes == 0
+
+    def memory(*sets):
+        q = worker_group(helm.render(sets=sets), "decode")["template"]["spec"]["containers"][0]["resources"]["requests"]["memory"]
+        return int(q[:-2]) * MiB
+
+    assert memory("serve.retainBytes=1GiB", "decode.actorsPerPod=2", "decode.cpu=2") == \
+        memory("decode.actorsPerPod=2", "decode.cpu=2") + 2 * GiB
+
+
 def test_the_prefix_cache_default_is_left_to_hisparse(helm):
     """Unset, the chart passes no prefix-cache flag: each prefill pod then has hisparse's own default (on wherever
     it can run, a host budget from that pod's memory); set, the value reaches the flag (bools as on/off)."""

@@ -141,11 +141,15 @@ The schema already restricts the spelling; the fail below guards against bypassi
 {{- end -}}
 
 {{/*
-Memory of one decode pod beyond decode.memory: per actor the host pool and, when the actor has
-no GPU (the "device" pool is then host memory), the device budget; plus /dev/shm.
+Memory of one decode pod beyond decode.memory: per actor the host pool, the pages kept for follow-up turns
+(--retain-bytes, which holds their page copies besides host-pool blocks) and, when the actor has no GPU (the
+"device" pool is then host memory), the device budget; plus /dev/shm.
 */}}
 {{- define "hisparse.decodeExtraBytes" -}}
 {{- $perActor := include "hisparse.hostPoolBytes" . | int64 -}}
+{{- if ne (include "hisparse.offload" .) "off" -}}
+{{- $perActor = add $perActor (include "hisparse.bytes" .Values.serve.retainBytes | int64) -}}
+{{- end -}}
 {{- if eq (float64 .Values.decode.actorGpus) 0.0 -}}
 {{- $perActor = add $perActor (include "hisparse.bytes" .Values.serve.deviceBudget | int64) -}}
 {{- end -}}
@@ -209,6 +213,7 @@ Byte sizes go out as integer bytes, which every spelling of `hisparse serve` acc
 {{- $a = concat $a (list "--reserve" (toString $s.reserve)) -}}
 {{- $a = concat $a (list "--output-estimate-tokens" (include "hisparse.int" $s.outputEstimateTokens)) -}}
 {{- $a = concat $a (list "--resident" (include "hisparse.onOff" $s.resident)) -}}
+{{- $a = concat $a (list "--retain-bytes" (include "hisparse.bytes" $s.retainBytes)) -}}
 {{- $a = concat $a (list "--device-budget" (include "hisparse.bytes" $s.deviceBudget)) -}}
 {{- if not (kindIs "invalid" $s.hostPoolBytes) -}}
 {{- $a = concat $a (list "--host-pool-bytes" (include "hisparse.bytes" $s.hostPoolBytes)) -}}
