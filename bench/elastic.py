@@ -239,7 +239,10 @@ def main(argv: list[str] | None = None) -> None:
         out["swap_out"] = swap_out(model, prompts, n, a.max_tokens, stops, parse_bytes(a.budget), a.max_running)
     out["not_measured"] = {
         "shared_prefix_bytes": "needs shared, reference-counted pages (not built)",
-        "handoff_bytes_per_turn": "needs finished layouts kept for follow-up turns (not built)",
+    }
+    out["measured_elsewhere"] = {
+        "handoff_bytes_per_turn": "python -m bench.prefix: handoff_bytes_per_turn (warm: whole layouts; kept: "
+                                  "--retain-bytes, the kept pages left out)",
     }
     emit(out)
     if not out["swap_out"]["identical_tokens"]:

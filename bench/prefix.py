@@ -1,4 +1,5 @@
-"""Multi-turn chat through HTTP with the prefix cache off, on, and on again after a restart (one JSON object).
+"""Multi-turn chat through HTTP with the prefix cache off, on, on again after a restart, and on with the decode side
+keeping finished prompts' pages (one JSON object).
 
     python -m bench.prefix [--system-len 8192] [--conversations 16] [--turns 6] [--concurrency 4]
 
@@ -13,9 +14,12 @@ this process is the client. Three runs on one workload:
 - `cold`: `--prefix-cache off`;
 - `warm`: `--prefix-cache on` with a disk tier in a fresh directory (written through);
 - `warm_from_disk`: the server restarted on the same directory, the same workload again: every hit now
-  comes from files read back (checked, then kept in memory).
+  comes from files read back (checked, then kept in memory);
+- `kept`: as `warm` (a fresh directory) with `--retain-bytes`: the decode actor keeps each finished prompt's
+  pages, so the next turn's handoff carries only the pages after them (`cachetier.retention`).
 Per run: TTFT p50/p99 (all requests, and first turns vs later turns), prompt tokens computed / sent (from
-/metrics), output and prompt throughput, and the cache's numbers: hit rate, bytes per cached token per
+/metrics), output and prompt throughput, layout bytes handed from prefill to decode per turn (all turns; first turns always send
+the whole layout), and the cache's numbers: hit rate, bytes per cached token per
 tier, state bytes kept by the state policy vs a snapshot at every page.
 """
 
@@ -115,6 +119,10 @@ def run(args: list[str], prompts, a, label: str) -> dict:
     finally:
         stop_server(server)
     computed = _delta(after, before, "hisparse_prefill_computed_tokens_total")
+    turns = len(prompts) * len(prompts[0])
+    handoff = _delta(after, before, "hisparse_handoff_bytes_total")
+    out["handoff_bytes_per_turn"] = round(handoff / turns)
+    out["kept_reused_pages"] = int(_delta(after, before, "hisparse_kept_reused_pages_total"))
     out["prompt_tokens_computed"] = int(computed)
     out["computed_over_sent"] = round(computed / out["prompt_tokens_sent"], 4)
     if "hisparse_prefix_cache_pages" in after:
@@ -163,19 +171,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--disk-bytes", default="8GiB", help="--prefix-cache-disk-bytes of the cached runs")
     ap.add_argument("--state-policy", choices=["last", "every"], default="last")
     ap.add_argument("--page-tokens", type=int, default=None, help="--prefix-cache-page-tokens (default: the KV block size)")
+    ap.add_argument("--retain-bytes", default="1GiB", help="--retain-bytes of the `kept` run")
     a = ap.parse_args(argv)
     prompts = workload(a.system_len, a.conversations, a.turns, a.user_len, a.answer_len)
     directory = tempfile.mkdtemp(prefix="hisparse-prefix-bench-")
-    cache = ["--prefix-cache", "on", "--prefix-cache-host-bytes", a.host_bytes, "--prefix-cache-disk-bytes", a.disk_bytes,
-             "--prefix-cache-dir", directory, "--prefix-cache-state-policy", a.state_policy]
-    if a.page_tokens:
-        cache += ["--prefix-cache-page-tokens", str(a.page_tokens)]
+    kept_dir = tempfile.mkdtemp(prefix="hisparse-prefix-bench-kept-")
+    def cache_args(where: str) -> list[str]:
+        out = ["--prefix-cache", "on", "--prefix-cache-host-bytes", a.host_bytes, "--prefix-cache-disk-bytes", a.disk_bytes,
+               "--prefix-cache-dir", where, "--prefix-cache-state-policy", a.state_policy]
+        return out + (["--prefix-cache-page-tokens", str(a.page_tokens)] if a.page_tokens else [])
+
+    cache = cache_args(directory)
     try:
         cold = run(["--prefix-cache", "off"], prompts, a, "cold")
         warm = run(cache, prompts, a, "warm")
         disk = run(cache, prompts, a, "warm_from_disk")
+        kept = run([*cache_args(kept_dir), "--retain-bytes", a.retain_bytes], prompts, a, "kept")
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(kept_dir, ignore_errors=True)
 
     def ratio(run_, key, part="p50_ms"):
         c = cold[key].get(part)
@@ -183,7 +197,13 @@ def main(argv: list[str] | None = None) -> None:
 
     emit({"bench": "prefix", "env": environment(), "system_len": a.system_len, "conversations": a.conversations,
           "turns": a.turns, "user_len": a.user_len, "answer_len": a.answer_len, "concurrency": a.concurrency,
-          "state_policy": a.state_policy, "page_tokens": a.page_tokens, "cold": cold, "warm": warm, "warm_from_disk": disk,
+          "state_policy": a.state_policy, "page_tokens": a.page_tokens, "retain_bytes": a.retain_bytes, "cold": cold,
+          "warm": warm, "warm_from_disk": disk, "kept": kept,
+          "handoff_bytes_per_turn": {"warm": warm["handoff_bytes_per_turn"], "kept": kept["handoff_bytes_per_turn"],
+                                     "kept_over_warm": round(kept["handoff_bytes_per_turn"] / warm["handoff_bytes_per_turn"], 4)
+                                     if warm["handoff_bytes_per_turn"] else None},
+          "ttft_p50_later_turns_kept_over_warm": (round(kept["ttft_later_turns"]["p50_ms"] / warm["ttft_later_turns"]["p50_ms"], 3)
+                                                  if warm["ttft_later_turns"].get("p50_ms") else None),
           "ttft_p50_warm_over_cold": ratio(warm, "ttft"), "ttft_p99_warm_over_cold": ratio(warm, "ttft", "p99_ms"),
           "ttft_p50_later_turns_warm_over_cold": ratio(warm, "ttft_later_turns"),
           "ttft_p50_disk_over_cold": ratio(disk, "ttft"),

@@ -31,7 +31,8 @@ def test_quick_run():
     assert final["tokens"] == estimate["tokens"]
     assert estimate["most_decoding_at_once"] > final["most_decoding_at_once"]
     assert estimate["resumes"] == estimate["pauses"]
-    assert set(result["not_measured"]) == {"shared_prefix_bytes", "handoff_bytes_per_turn"}
+    assert set(result["not_measured"]) == {"shared_prefix_bytes"}
+    assert set(result["measured_elsewhere"]) == {"handoff_bytes_per_turn"}
     low = result["low_load"]
     assert low["identical_tokens"] is True and set(low["by_batch"]) == {"1", "2"}
     assert low["on_resident_view_kinds"].get("resident", 0) > 0
