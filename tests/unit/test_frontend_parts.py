@@ -65,6 +65,38 @@ def test_a_decode_actor_at_its_request_cap_is_not_asked():
     assert m is fe.decode[1] and keys == () and held == 0 and full.reserve.calls == 0 and free.reserve.calls == 1
 
 
+def test_a_follow_up_turn_asks_the_actor_that_kept_its_prompt_first():
+    """With `--retain-bytes`, the decode actor that kept the longest prefix of the context is asked first even
+    when another has more pages free, and it gets the context's page keys; the usual order (most free pages
+    first) holds for a prompt nobody kept."""
+    asked: list[tuple[str, tuple[str, ...]]] = []
+
+    def reserve_as(name):
+        async def reserve(owner, key, tokens, prefix_keys=()):
+            asked.append((name, tuple(prefix_keys)))
+            report = _report(1, 0, free=100) if name == "keeper" else _report(0, 0, free=900)
+            return True, report, 256 if prefix_keys and name == "keeper" else 0
+        return reserve
+
+    def info(name):
+        return DecodeInfo(name=name, capacity=Capacity(num_pages=1000, group_pages=1, block_tokens=256, max_running=8,
+                                                       keeps=True), **COMMON)
+
+    keeper, other = _Handle(reserve=reserve_as("keeper")), _Handle(reserve=reserve_as("other"))
+    fe = Frontend([(_Handle(), _prefill_info("p"))], [(keeper, info("keeper")), (other, info("other"))])
+    fe.decode[0].report = _report(running=1, reserved=0, free=100)
+    fe.decode[1].report = _report(running=0, reserved=0, free=900)  # the usual order asks this one first
+    first = tuple(range(300))
+    fe.kept.record("keeper", fe.kept.keys(first))
+    follow_up = Attempt(Request("r", first + tuple(range(300)), SamplingParams(max_tokens=4), 0), "r.0")
+    m, keys, held = asyncio.run(fe.placement.reserve(follow_up, set()))
+    assert m is fe.decode[0] and held == 256 and asked == [("keeper", keys)] and len(keys) == 2
+    asked.clear()
+    fresh = Attempt(Request("s", tuple(range(7, 600)), SamplingParams(max_tokens=4), 0), "s.0")
+    m, _, held = asyncio.run(fe.placement.reserve(fresh, set()))
+    assert m is fe.decode[1] and held == 0 and [n for n, _ in asked] == ["other"]
+
+
 def test_a_poll_loop_outlives_an_unexpected_error():
     """A poll that raises something no rule expects is logged and counted; the loop polls again, and the next
     message's tokens reach their request."""
