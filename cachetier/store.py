@@ -398,7 +398,7 @@ class TieredStore(KVStore):
         if "hca" in fields:
             f = fields["hca"]
             hca = kept.pages[:, f.offset : f.offset + f.numel].reshape(m, *f.shape)
-        host_rows = self.hot.host.rows(r.host_blocks_t, torch.arange(m * g.e4))
+        host_rows = self.hot.host.rows(r.host_blocks_t, torch.arange(m * g.e4, device=r.host_blocks_t.device))
         prefix = []
         for layer, lk in enumerate(layout.layers):
             if lk.kind == "csa":
