@@ -191,19 +191,19 @@ def main(argv: list[str] | None = None) -> None:
         shutil.rmtree(directory, ignore_errors=True)
         shutil.rmtree(kept_dir, ignore_errors=True)
 
-    def ratio(run_, key, part="p50_ms"):
-        c = cold[key].get(part)
-        return round(run_[key][part] / c, 3) if c else None
+    def over(num, den, digits=3):
+        return round(num / den, digits) if den else None
+
+    def ratio(run_, key, part="p50_ms", base=cold):
+        return over(run_[key].get(part), base[key].get(part))
 
     emit({"bench": "prefix", "env": environment(), "system_len": a.system_len, "conversations": a.conversations,
           "turns": a.turns, "user_len": a.user_len, "answer_len": a.answer_len, "concurrency": a.concurrency,
           "state_policy": a.state_policy, "page_tokens": a.page_tokens, "retain_bytes": a.retain_bytes, "cold": cold,
           "warm": warm, "warm_from_disk": disk, "kept": kept,
           "handoff_bytes_per_turn": {"warm": warm["handoff_bytes_per_turn"], "kept": kept["handoff_bytes_per_turn"],
-                                     "kept_over_warm": round(kept["handoff_bytes_per_turn"] / warm["handoff_bytes_per_turn"], 4)
-                                     if warm["handoff_bytes_per_turn"] else None},
-          "ttft_p50_later_turns_kept_over_warm": (round(kept["ttft_later_turns"]["p50_ms"] / warm["ttft_later_turns"]["p50_ms"], 3)
-                                                  if warm["ttft_later_turns"].get("p50_ms") else None),
+                                     "kept_over_warm": over(kept["handoff_bytes_per_turn"], warm["handoff_bytes_per_turn"], 4)},
+          "ttft_p50_later_turns_kept_over_warm": ratio(kept, "ttft_later_turns", base=warm),
           "ttft_p50_warm_over_cold": ratio(warm, "ttft"), "ttft_p99_warm_over_cold": ratio(warm, "ttft", "p99_ms"),
           "ttft_p50_later_turns_warm_over_cold": ratio(warm, "ttft_later_turns"),
           "ttft_p50_disk_over_cold": ratio(disk, "ttft"),

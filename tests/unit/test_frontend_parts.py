@@ -36,9 +36,9 @@ class _Handle:
             setattr(self, name, _Method(fn))
 
 
-def _decode_info(name: str, max_running: int = 8) -> DecodeInfo:
-    return DecodeInfo(name=name, capacity=Capacity(num_pages=1000, group_pages=1, block_tokens=256, max_running=max_running),
-                      **COMMON)
+def _decode_info(name: str, max_running: int = 8, keeps: bool = False) -> DecodeInfo:
+    return DecodeInfo(name=name, capacity=Capacity(num_pages=1000, group_pages=1, block_tokens=256, max_running=max_running,
+                                                   keeps=keeps), **COMMON)
 
 
 def _prefill_info(name: str) -> PrefillInfo:
@@ -70,22 +70,20 @@ def test_a_follow_up_turn_asks_the_actor_that_kept_its_prompt_first():
     when another has more pages free, and it gets the context's page keys; the usual order (most free pages
     first) holds for a prompt nobody kept."""
     asked: list[tuple[str, tuple[str, ...]]] = []
+    reports = {"keeper": _report(running=1, reserved=0, free=100),
+               "other": _report(running=0, reserved=0, free=900)}  # the usual order asks `other` first
 
     def reserve_as(name):
         async def reserve(owner, key, tokens, prefix_keys=()):
             asked.append((name, tuple(prefix_keys)))
-            report = _report(1, 0, free=100) if name == "keeper" else _report(0, 0, free=900)
-            return True, report, 256 if prefix_keys and name == "keeper" else 0
+            return True, reports[name], 256 if prefix_keys and name == "keeper" else 0
         return reserve
 
-    def info(name):
-        return DecodeInfo(name=name, capacity=Capacity(num_pages=1000, group_pages=1, block_tokens=256, max_running=8,
-                                                       keeps=True), **COMMON)
-
     keeper, other = _Handle(reserve=reserve_as("keeper")), _Handle(reserve=reserve_as("other"))
-    fe = Frontend([(_Handle(), _prefill_info("p"))], [(keeper, info("keeper")), (other, info("other"))])
-    fe.decode[0].report = _report(running=1, reserved=0, free=100)
-    fe.decode[1].report = _report(running=0, reserved=0, free=900)  # the usual order asks this one first
+    fe = Frontend([(_Handle(), _prefill_info("p"))], [(keeper, _decode_info("keeper", keeps=True)),
+                                                      (other, _decode_info("other", keeps=True))])
+    for m in fe.decode:
+        m.report = reports[m.name]
     first = tuple(range(300))
     fe.kept.record("keeper", fe.kept.keys(first))
     follow_up = Attempt(Request("r", first + tuple(range(300)), SamplingParams(max_tokens=4), 0), "r.0")
