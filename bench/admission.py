@@ -58,7 +58,7 @@ def block_tables(rows: int, blocks: int, repeats: int) -> dict:
         res, width = sets[k[0]], blocks
         pages = [(r.blocks + [g.scratch_page] * width)[:width] for r in res]
         hosts = [(r.host_blocks + [g.num_host_blocks] * width)[:width] for r in res]
-        view._tables_host.copy_(torch.tensor([pages, hosts], dtype=torch.long))
+        view._tables_host.copy_(torch.tensor([pages, hosts, pages], dtype=torch.long))
 
     o, n = _median_ms(old, repeats), _median_ms(new, repeats)
     store.close()

@@ -2,9 +2,11 @@
 
     python -m bench.elastic [--quick] [--requests 32] [--max-tokens 16384] [--stop-after 128,448]
                             [--budget 2MiB] [--threads N] [--batches 1,4,16] [--step compiled|eager]
+                            [--shared-requests 16] [--shared-prefix-tokens 65536]
 
-Built so far: resident C4 entries while there is room (`TierConfig.resident`, `cachetier.residency`) and
-swap-out instead of reserving at the final length (`TierConfig.reserve`, `cachetier.admission`).
+What it measures: resident C4 entries while there is room (`TierConfig.resident`, `cachetier.residency`), swap-out
+instead of reserving at the final length (`TierConfig.reserve`, `cachetier.admission`) and shared prefixes held once
+(`TierConfig.share_prefixes`, `cachetier.sharing`).
 
 1. low load (`low_load`): decode step time at 1, 4 and 16 running requests with room to spare, tier off, tier on
    as it was (every C4 read through the hot buffer) and tier on with residency, run by turns for `--repeats`
@@ -23,8 +25,13 @@ same device budget:
 Reported per policy: wall time, decode tokens/s, completed requests, the most that decoded at once, pauses and
 resumes; and whether every request's tokens were the same under both (they must be).
 
-The other figures the elastic tier is to report (bytes for requests sharing a prefix, handoff bytes per turn)
-belong to parts not built yet; they are listed under `not_measured`.
+4. shared prefix (`shared_prefix`): `--shared-requests` requests whose contexts begin with the same
+   `--shared-prefix-tokens` tokens (synthetic layouts, the same rows in the shared part), each with a suffix of its
+   own, reserved with their page keys and filled one after another as a decode actor takes them from the PD split
+   (each handoff leaves out what the actor holds already); device and host bytes held, and handoff bytes, with each
+   request holding its own copy (as before) and with `--share-prefixes 1`, tier on and off.
+
+Handoff bytes per turn of a multi-turn chat (`--retain-bytes`) come from `python -m bench.prefix`.
 
 `--quick`: a smoke run of a few seconds.
 """
@@ -200,6 +207,68 @@ def full_load(context: int, max_tokens: int, budget: int) -> dict:
     return out
 
 
+SHARED_TIERS = {"on": {"offload": True}, "on_shared": {"offload": True, "share_prefixes": 1},
+                "off": {"offload": False}, "off_shared": {"offload": False, "share_prefixes": 1}}
+
+
+def shared_prefix(prefix: int, n: int, suffix: int, max_tokens: int, budget: int) -> dict:
+    """`n` requests sharing their first `prefix` tokens: bytes held in both tiers and handed over, each request holding
+    its own copy against shared pages (see the module docstring)."""
+    from bench.tier import synthetic_layout
+    from cachetier.layout import pack_layout, without_prefix
+    from cachetier.prefix import page_keys
+    from cachetier.store import TieredStore
+    from model.builtin import tiny_config
+
+    cfg = tiny_config()
+    g = torch.Generator().manual_seed(0)
+    common = torch.randint(6, 4096, (prefix,), generator=g).tolist()
+    base = synthetic_layout(cfg, prefix + suffix, seed=0)
+    layouts, contexts = [], []
+    for i in range(n):  # the same rows in the shared part, its own after it
+        lay = synthetic_layout(cfg, prefix + suffix, seed=1 + i)
+        for lk, bk in zip(lay.layers, base.layers):
+            for name, rate in (("entries", cfg.csa_rate if lk.kind == "csa" else cfg.hca_rate), ("index_keys", cfg.csa_rate)):
+                t, b = getattr(lk, name), getattr(bk, name)
+                if t is not None and lk.kind != "sliding":
+                    t[: prefix // rate] = b[: prefix // rate]
+        layouts.append(lay)
+        contexts.append(common + torch.randint(6, 4096, (suffix,), generator=g).tolist())
+    out = {"prefix_tokens": prefix, "requests": n, "suffix_tokens": suffix, "max_tokens": max_tokens,
+           "device_budget_bytes": budget, "layouts": "synthetic", "by_tier": {}}
+    for name, kw in SHARED_TIERS.items():
+        tier = TierConfig(device_budget_bytes=budget, max_running=n, host_pool_bytes=16 * budget if kw["offload"] else None,
+                          **kw)
+        store = TieredStore(cfg, tier)
+        sent = 0
+        for i, (lay, ctx) in enumerate(zip(layouts, contexts)):
+            rid = f"s{i}"
+            if not store.reserve(rid, len(ctx) + max_tokens, len(ctx), page_keys(ctx, store.geo.block_tokens)):
+                raise SystemExit(f"shared prefix: {name} has no room for request {i}; raise --shared-budget")
+            part = without_prefix(lay, cfg, store.held_tokens(rid))
+            sent += pack_layout(part, "bench").tensor_bytes
+            store.fill(rid, part)
+        store.check_integrity()
+        st = store.stats()
+        out["by_tier"][name] = {"device_bytes": st["device_bytes_used"], "host_bytes": st["host_bytes_used"],
+                                "device_pages": st["pages_total"] - st["pages_free"], "page_bytes": store.geo.page_bytes,
+                                "handoff_bytes": sent,
+                                **({k: st[k] for k in ("share_shared_pages", "share_registered")} if "share_prefixes" in kw else {})}
+        for i in range(n):
+            store.free(f"s{i}")
+        store.check_integrity()
+        if store.stats()["pages_free"] != st["pages_total"]:
+            raise SystemExit(f"shared prefix: {name} did not get every page back")
+        store.close()
+        progress(f"shared prefix: {name} holds {st['device_bytes_used']} device and {st['host_bytes_used']} host bytes")
+    t = out["by_tier"]
+    for tier_name in ("on", "off"):
+        own, shared = t[tier_name], t[f"{tier_name}_shared"]
+        out[f"ratio_{tier_name}"] = {k: round(shared[k] / own[k], 4) if own[k] else None
+                                     for k in ("device_bytes", "host_bytes", "handoff_bytes")}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
@@ -218,6 +287,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--low-budget", default="64MiB", help="low-load device budget (room to spare)")
     ap.add_argument("--full-context", type=int, default=None, help="full-load context (default 131000; quick 8192)")
     ap.add_argument("--full-budget", default="256MiB")
+    ap.add_argument("--shared-requests", type=int, default=16)
+    ap.add_argument("--shared-prefix-tokens", type=int, default=None, help="shared prefix (default 65536; quick 8192)")
+    ap.add_argument("--shared-suffix-tokens", type=int, default=512)
+    ap.add_argument("--shared-budget", default="256MiB")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -237,9 +310,8 @@ def main(argv: list[str] | None = None) -> None:
                                    parse_bytes(a.low_budget))
         out["full_load"] = full_load(a.full_context or (8192 if q else 131000), 256, parse_bytes(a.full_budget))
         out["swap_out"] = swap_out(model, prompts, n, a.max_tokens, stops, parse_bytes(a.budget), a.max_running)
-    out["not_measured"] = {
-        "shared_prefix_bytes": "needs shared, reference-counted pages (not built)",
-    }
+        out["shared_prefix"] = shared_prefix(a.shared_prefix_tokens or (8192 if q else 65536), a.shared_requests,
+                                             a.shared_suffix_tokens, 256, parse_bytes(a.shared_budget))
     out["measured_elsewhere"] = {
         "handoff_bytes_per_turn": "python -m bench.prefix: handoff_bytes_per_turn (warm: whole layouts; kept: "
                                   "--retain-bytes, the kept pages left out)",

@@ -206,7 +206,10 @@ class Geometry:
         # bytes: pages carry the entry->slot map with the tier; groups carry hot-buffer bookkeeping
         self.map_bytes_per_page = n_csa * self.e4 * 4 if self.offload else 0
         self.meta_bytes_per_group = n_csa * (self.hot_slots * 8 + self.lru * 8) if self.offload else 0
-        self.page_bytes = self.page_elems * self.elem + self.map_bytes_per_page
+        self.share_refs = tier.share_prefixes
+        """Map blocks set aside per device page for the holders of shared pages after the first (`cachetier.sharing`);
+        a page carries their bytes in the budget."""
+        self.page_bytes = self.page_elems * self.elem + self.map_bytes_per_page * (1 + self.share_refs)
         self.host_block_bytes = n_csa * self.e4 * self.main_bytes if self.offload else 0
 
         budget = tier.device_budget_bytes
@@ -227,6 +230,11 @@ class Geometry:
         self.scratch_group = self.num_groups
         self.scratch_page = n + self.group_pages
         self.arena_pages = n + self.group_pages + 1
+        # The entry map's blocks (tier on): one per arena page (a page's own holder addresses its entries by the page),
+        # then the shared pages' later holders' map blocks, then a scratch block whose last element is the dump.
+        self.share_maps = self.share_refs * n if self.map_bytes_per_page else 0
+        self.map_blocks = self.arena_pages + self.share_maps + 1
+        self.scratch_map = self.map_blocks - 1
         host_bytes = tier.host_pool_bytes if tier.host_pool_bytes is not None else 8 * budget
         self.num_host_blocks = int(host_bytes // self.host_block_bytes) if self.offload and self.host_block_bytes else 0
 

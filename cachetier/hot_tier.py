@@ -3,8 +3,10 @@
 With the tier on, a request's C4 entries live in the host pool (authoritative) and each CSA layer of each
 request has a hot buffer of `hot_slots` device slots (`lru` LRU-managed, then `reserved` ring slots that
 hold the newest entries). The state that ties entries to slots is here, and only here:
-- per CSA layer, the *entry map*: for every C4 entry of every page (scratch page last), the hot slot holding
-  it or -1;
+- per CSA layer, the *entry map*: for every C4 entry of every map block, the hot slot holding it or -1. A request
+  addresses its entries through its map block table: its own pages map as themselves, and a shared page's holders
+  after the first through map blocks of their own (`cachetier.sharing`), since each holder's hot buffer holds
+  different slots for the same page; a scratch block is last;
 - per CSA layer and state group (scratch group last), the map row each hot slot holds and each LRU slot's
   last-use stamp;
 - the host pool and its device view (what the step's kernels address: mapped host memory on CUDA);
@@ -38,7 +40,7 @@ class HotTier:
         self.host_view = self.host.on(device)
         """The host pool as the step's kernels address it: zero-copy device memory on CUDA (mapped), itself on the CPU."""
         # each its own tensor so a step updates it in place (never through a slice)
-        self.entry_map = [torch.full((g.arena_pages * g.e4,), -1, dtype=torch.int32, device=device) for _ in range(n_csa)]
+        self.entry_map = [torch.full((g.map_blocks * g.e4,), -1, dtype=torch.int32, device=device) for _ in range(n_csa)]
         self.hot_entry_row = [torch.full((g.num_groups + 1, g.hot_slots), -1, dtype=torch.long, device=device)
                               for _ in range(n_csa)]
         self.hot_stamp = [torch.full((g.num_groups + 1, g.lru), -1, dtype=torch.long, device=device) for _ in range(n_csa)]
@@ -126,14 +128,14 @@ class HotTier:
         return {"hits": c[HITS], "misses": c[MISSES], "evictions": c[EVICTIONS],
                 "bytes_h2d": c[MISSES] * g.main_bytes + self.bytes_h2d_admit, "bytes_d2h": c[3] * g.main_bytes}
 
-    def check(self, request_id: str, group: int, blocks: torch.Tensor, host_blocks: torch.Tensor, num_entries: int,
+    def check(self, request_id: str, group: int, maps: torch.Tensor, host_blocks: torch.Tensor, num_entries: int,
               resident: bool = False) -> list[str]:
         """What is wrong with one request's hot buffers (empty: nothing). Reads each layer's bookkeeping to the host
-        once (not one sync per slot). `resident`: its C4 entries are on the device in pages of their own, so its hot
-        buffers must hold nothing."""
+        once (not one sync per slot). `maps`: its entry-map block table. `resident`: its C4 entries are on the device
+        in pages of their own, so its hot buffers must hold nothing."""
         g, n = self.geo, num_entries
         e = torch.arange(n, device=self.device)
-        rows = block_rows(blocks, e, g.e4)
+        rows = block_rows(maps, e, g.e4)
         host_rows = self.host.rows(host_blocks, e.cpu())
         pos = {x: i for i, x in enumerate(rows.tolist())}
         problems = []

@@ -91,6 +91,13 @@ class PageAllocator:
         start = group * self.group_pages
         self.free_blocks(owner, [*range(start, start + self.group_pages), *blocks])
 
+    def transfer(self, owner: str, new_owner: str, pages: list[int]) -> None:
+        """Single pages `owner` holds change hands (none is freed)."""
+        for p in pages:
+            if self.owner[p] != owner:
+                raise RuntimeError(f"page {p} is owned by {self.owner[p]!r}, not {owner!r}")
+            self.owner[p] = new_owner
+
     def free_blocks(self, owner: str, pages: list[int]) -> None:
         """Return single pages of `owner` (a request that keeps running: its resident C4 pages)."""
         for p in pages:

@@ -45,9 +45,28 @@ class Resident:
     """The kept entry (`cachetier.retention.Kept`) whose pages its layout leaves out, from reservation until `fill`."""
     held_tokens: int = 0
     """Tokens of those pages: the handoff leaves out their classical entries (0: a whole layout)."""
+    shared: int = 0
+    """Its first blocks that are shared pages (`cachetier.sharing`): held by reference, never written."""
+    maps: list[int] = field(default_factory=list)
+    """The entry-map blocks of those shared pages: the page itself for the page's first holder, else a map block of
+    its own (`Geometry.share_maps`)."""
+    map_np: np.ndarray = field(repr=False, default=None)
+    """Its entry-map block table (int64, host): `maps`, then its own blocks (which map as themselves)."""
+    map_t: torch.Tensor = field(repr=False, default=None)
+    """`map_np` on the store's device; made with `blocks_t`."""
     tables_version: int = 0
     """Bumped whenever its pages change while it runs (it grew, or came back from host memory in other pages), so a
     step view rebuilds the block tables it keeps."""
+
+
+    def __post_init__(self) -> None:
+        if self.map_np is None and self.blocks_np is not None and not self.shared:
+            self.map_np = self.blocks_np
+
+    @property
+    def shared_keys(self) -> tuple[str, ...]:
+        """Chain keys of its shared pages."""
+        return self.prefix_keys[: self.shared]
 
 
 def is_resident(r: Resident) -> bool:

@@ -220,9 +220,9 @@ class SpecBatch(TieredBatch):
             asked = old if res is None else old & ~res  # a resident request's rows resolve nothing
             union = torch.where(asked, ids, -1).view(R, S * k)  # one resolve row per request: its positions' union
             safe = union.clamp(min=0)
-            blocks, host_blocks, groups = self._first(self.blocks), self._first(self.host_blocks), self._first(self.groups)
+            maps, host_blocks, groups = self._first(self.map_blocks), self._first(self.host_blocks), self._first(self.groups)
             hot_rows = g.state_fields["hot"].row(self._first(self.gbase), j * g.hot_slots)  # [requests]
-            slots = self._resolve(union, block_rows(blocks, safe, g.e4), self.hot.host.rows(host_blocks, safe), groups,
+            slots = self._resolve(union, block_rows(maps, safe, g.e4), self.hot.host.rows(host_blocks, safe), groups,
                                   hot_rows, j).view(R * S, k)
             held = pool[(hot_rows.repeat_interleave(S)[:, None] + slots).clamp(min=0)]  # [rows, k, row]
             found = old & (slots >= 0)

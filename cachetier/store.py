@@ -24,9 +24,11 @@ from cachetier.geometry import Field, Geometry, block_rows, resident_c4_rows
 from cachetier.hot_tier import HotTier
 from cachetier.layout import KVLayout, skipped_tokens, with_prefix
 from cachetier.pages import BlockAllocator, OutOfPages, PageAllocator
+from cachetier.prefix import page_keys
 from cachetier.residency import ResidencyPolicy
 from cachetier.resident import Resident, is_resident, num_tokens_of
 from cachetier.retention import Kept, Retention
+from cachetier.sharing import OWNER, Sharing
 from cachetier.spec_batch import SpecBatch
 from cachetier.tiered_batch import MIXED, RESIDENT, TIERED, TieredBatch
 from core import device as devices
@@ -86,9 +88,9 @@ class KVStore(ABC):
     def fill(self, request_id: str, layout: KVLayout) -> None:
         """Write a prefilled layout into the pages reserved for it."""
 
-    def admit(self, request_id: str, layout: KVLayout, reserve_tokens: int) -> None:
+    def admit(self, request_id: str, layout: KVLayout, reserve_tokens: int, prefix_keys: tuple[str, ...] = ()) -> None:
         """`reserve` + `fill`; raises `OutOfPages` when the pages are not free now."""
-        if not self.reserve(request_id, max(reserve_tokens, layout.num_tokens + 1), layout.num_tokens):
+        if not self.reserve(request_id, max(reserve_tokens, layout.num_tokens + 1), layout.num_tokens, prefix_keys):
             raise OutOfPages(f"no room for {request_id} ({reserve_tokens} tokens) right now")
         try:
             self.fill(request_id, layout)
@@ -105,6 +107,11 @@ class KVStore(ABC):
         """Tokens at the start of a reserved request's context whose classical entries this store already holds (its
         handoff leaves them out); 0 for a store that keeps nothing."""
         return 0
+
+    def page_keys(self, context: tuple[int, ...]) -> tuple[str, ...]:
+        """The page keys `reserve` takes for a context (its full pages' chain keys), when this store matches them
+        against pages it holds; () for a store that does not."""
+        return ()
 
     @abstractmethod
     def holds(self, request_id: str) -> bool:
@@ -232,6 +239,8 @@ class TieredStore(KVStore):
         self.residents: dict[str, Resident] = {}
         self.retention = Retention(tier.retain_bytes if self.hot is not None else 0)
         """Finished requests' prompt pages kept for a follow-up turn (`cachetier.retention`; budget 0: none)."""
+        self.sharing = Sharing(g.arena_pages, g.share_maps) if tier.share_prefixes else None
+        """Full context pages running requests hold once (`cachetier.sharing`; None: each holds its own)."""
         self.policy = ReservePolicy(tier)
         self.grows = self.policy.elastic
         self.swapped: dict[str, Swapped] = {}
@@ -330,17 +339,22 @@ class TieredStore(KVStore):
         with self._alloc_lock:
             if request_id in self.residents or request_id in self.swapped:
                 raise ValueError(f"request {request_id} already holds pages")
-            kept = self.retention.match(keys) if self.retention.enabled and keys else None
+            s = self._shareable(keys, 0, nb - 1)  # its first pages held by others already: references, not pages
+            kept = self.retention.match(keys) if self.retention.enabled and keys and not s else None
             if kept is not None and kept.num_pages > nh:
                 kept = None
-            if not self._pages_free_for(nb):
+            if not self._pages_free_for(nb - s):
                 return False
-            if self.host_alloc is not None and not self._host_room(nh - (kept.num_pages if kept else 0), kept):
+            if self.host_alloc is not None and not self._host_room(nh - s - (kept.num_pages if kept else 0), kept):
                 return False
             if self.residency is not None:
                 self.residency.admitted()
-            group, blocks = self.pages.allocate(request_id, nb)
-            host_blocks = []
+            group, blocks = self.pages.allocate(request_id, nb - s)
+            host_blocks, maps = [], []
+            if s:
+                shared, maps = self.sharing.take(request_id, keys[:s], mapped=self.hot is not None)
+                blocks = [p.page for p in shared] + blocks
+                host_blocks = [p.host_block for p in shared] if self.host_alloc is not None else []
             if kept is not None:
                 self.retention.take(kept)
                 self.host_alloc.transfer(kept.owner, request_id, kept.host_blocks)
@@ -349,15 +363,37 @@ class TieredStore(KVStore):
                 host_blocks += self.host_alloc.allocate(request_id, nh - len(host_blocks))
             # host bookkeeping only: a reservation comes from the actor's event loop, and every device
             # operation of an actor runs on its step thread (`fill` makes the device tables)
+            held = s or (kept.num_pages if kept else 0)
             r = Resident(request_id, group, blocks, host_blocks, 0, reserve_tokens,
                          np.array(blocks, dtype=np.int64), np.array(host_blocks, dtype=np.int64), prefix_keys=keys,
-                         held=kept, held_tokens=kept.num_pages * self.geo.block_tokens if kept else 0)
+                         held=kept, held_tokens=held * self.geo.block_tokens, shared=s, maps=maps)
+            self._set_map(r)
             self.residents[request_id] = r
         return True
 
+    def _shareable(self, keys: tuple[str, ...], start: int, limit: int) -> int:
+        """How many pages, from page `start` of a request whose context's full pages are named `keys`, it can hold
+        by reference (at most up to page `limit`): registered ones, as many as map blocks are free for (lock held)."""
+        if self.sharing is None or not keys:
+            return 0
+        m = self.sharing.match(keys, start, limit)
+        if self.hot is not None and m > self.sharing.maps_free:
+            self.sharing.count["no_map_block"] += m - self.sharing.maps_free
+            m = self.sharing.maps_free
+        return m
+
+    def _set_map(self, r: Resident) -> None:
+        """A request's entry-map block table from its shared pages' map blocks and its own blocks."""
+        r.map_np = np.concatenate((np.array(r.maps, dtype=np.int64), r.blocks_np[r.shared :])) if r.shared else r.blocks_np
+        if r.blocks_t is not None:
+            r.map_t = r.blocks_t if not r.shared else torch.from_numpy(r.map_np).to(self.device, non_blocking=True)
+
+    def page_keys(self, context: tuple[int, ...]) -> tuple[str, ...]:
+        return page_keys(context, self.geo.block_tokens) if self.sharing is not None or self.retention.enabled else ()
+
     def held_tokens(self, request_id: str) -> int:
-        """Tokens at the start of a reserved request's context whose classical entries are kept here: its handoff
-        leaves them out (`cachetier.layout.without_prefix`)."""
+        """Tokens at the start of a reserved request's context whose classical entries are kept or shared here: its
+        handoff leaves them out (`cachetier.layout.without_prefix`)."""
         r = self.residents.get(request_id)  # read from the actor's loop: it may have lapsed already
         return r.held_tokens if r is not None else 0
 
@@ -372,10 +408,14 @@ class TieredStore(KVStore):
         room = min(r.reserve_tokens, len(r.blocks) * self.geo.block_tokens)
         if layout.num_tokens + 1 > room:
             raise ValueError(f"the layout of {request_id} has {layout.num_tokens} tokens but only {room} were reserved")
-        if skipped_tokens(layout) != r.held_tokens:
+        skipped = skipped_tokens(layout)
+        if skipped != r.held_tokens and (r.held is not None or skipped > r.held_tokens):  # shared pages: may be sent
             raise ValueError(f"the layout of {request_id} leaves out the entries of its first {skipped_tokens(layout)} "
                              f"tokens, but this worker keeps {r.held_tokens} for it")
+        if self.sharing is not None:
+            self._share_at_fill(r, layout.num_tokens)
         r.blocks_t = torch.from_numpy(r.blocks_np).to(self.device, non_blocking=True)
+        self._set_map(r)
         r.host_blocks_t = torch.from_numpy(r.host_blocks_np if len(r.host_blocks_np) else np.zeros(1, np.int64))
         if r.held is not None:
             layout = self._with_kept(r, layout)
@@ -384,6 +424,48 @@ class TieredStore(KVStore):
         r.num_tokens = layout.num_tokens
         r.mtp_floor = layout.num_tokens  # its MTP ring starts empty: the first decode position is its first entry
         r.filled = True
+        if self.sharing is not None:
+            self._register(r)
+
+    def _share_at_fill(self, r: Resident, num_tokens: int) -> None:
+        """Step thread, before a request's layout is written: pages registered since it reserved (a sibling reserved
+        beside it was filled first) are held by reference from now on, and its own copies of them go back."""
+        full = min(len(r.prefix_keys), num_tokens // self.geo.block_tokens)
+        with self._alloc_lock:
+            more = self._shareable(r.prefix_keys, r.shared, full)
+            if not more:
+                return
+            s = r.shared
+            own = r.blocks[s : s + more]
+            shared, maps = self.sharing.take(r.request_id, r.prefix_keys[s : s + more], at_fill=True,
+                                             mapped=self.hot is not None)
+            self.pages.free_blocks(r.request_id, own)
+            blocks = [*r.blocks[:s], *(p.page for p in shared), *r.blocks[s + more :]]
+            if self.host_alloc is not None:
+                self.host_alloc.free(r.request_id, r.host_blocks[s : s + more])
+                r.host_blocks = [*r.host_blocks[:s], *(p.host_block for p in shared), *r.host_blocks[s + more :]]
+                r.host_blocks_np = np.array(r.host_blocks, dtype=np.int64)
+            r.shared, r.maps = s + more, [*r.maps, *maps]
+            r.blocks, r.blocks_np = blocks, np.array(blocks, dtype=np.int64)
+            r.tables_version += 1
+
+    def _register(self, r: Resident) -> None:
+        """A filled request's own full context pages become shared pages (it is their first holder; they map as
+        themselves), unless pages of theirs are registered already (map blocks ran out for it)."""
+        full = min(len(r.prefix_keys), r.num_tokens // self.geo.block_tokens)
+        s = r.shared
+        if full <= s or r.prefix_keys[s] in self.sharing.pages:
+            return
+        with self._alloc_lock:
+            pages = r.blocks[s:full]
+            self.pages.transfer(r.request_id, OWNER, pages)
+            hosts = r.host_blocks[s:full] if self.host_alloc is not None else [-1] * len(pages)
+            if self.host_alloc is not None:
+                self.host_alloc.transfer(r.request_id, OWNER, hosts)
+            self.sharing.register(r.request_id, r.prefix_keys[s:full], pages, hosts)
+            r.maps = [*r.maps, *pages]
+            r.shared = full
+        self._set_map(r)
 
     def _with_kept(self, r: Resident, layout: KVLayout) -> KVLayout:
         """The whole layout of a request whose handoff left out the pages kept for it: their C4 entries from its
@@ -434,16 +516,27 @@ class TieredStore(KVStore):
     def _write_layout(self, r: Resident, layout: KVLayout) -> None:
         """A layout's state, indexer keys and device-resident entries into the arena, its C4 entries into the host
         pool (tier on). Everything bound for the device crosses in one copy through pinned memory (`_stage`);
-        C4 entries go to the host pool by whole host blocks."""
+        C4 entries go to the host pool by whole host blocks. The request's shared pages (its first `r.shared` blocks:
+        `cachetier.sharing`) are not written: their holders wrote the same entries. A layout whose first tokens'
+        entries were left out (`skipped_tokens`, no more than those pages) supplies the rest; the ring's newest
+        entries that it left out come from the host pool."""
         g = self.geo
         self._check_rows(layout)
         gb = self.group_base(r.group)
         sf = g.state_fields
         dt = self.arena.dtype
+        cut, own = skipped_tokens(layout), r.shared * g.block_tokens  # layout rows start at `cut`; write from `own`
+        if cut > own:
+            raise ValueError(f"the layout of {r.request_id} leaves out {cut} tokens' entries, more than the {own} it "
+                             "shares")
+
+        def tail(t: torch.Tensor, rate: int) -> torch.Tensor:  # the layout rows of the entries from `own` on
+            return t[(own - cut) // rate :]
         # what goes to the device, in order: the window rings, then per layer its compressor parts, its
         # indexer keys and its device entries (HCA; C4 with the tier off, the newest C4 entries with it on)
         moves: list[torch.Tensor] = [torch.stack([lk.window for lk in layout.layers]).to(dt)]  # [layers, window, row]
         writes: list[tuple[str, object]] = []
+        n4 = layout.num_tokens // g.cfg.csa_rate  # C4 entries of the whole context
         for layer, lk in enumerate(layout.layers):
             for name, st in ((MAIN, lk.compressor), (INDEX, lk.index_compressor)):
                 if st is None:
@@ -455,16 +548,16 @@ class TieredStore(KVStore):
                         moves.append(g.state_to_arena(t))
             if lk.kind == "csa":
                 writes.append(("keys", layer))
-                moves.append(lk.index_keys.to(dt))
+                moves.append(tail(lk.index_keys, g.cfg.csa_rate).to(dt))
                 if not g.offload:
                     writes.append(("c4", layer))
-                    moves.append(lk.entries.to(dt))
-                elif g.reserved and lk.num_entries:
+                    moves.append(tail(lk.entries, g.cfg.csa_rate).to(dt))
+                elif g.reserved and n4:
                     writes.append(("ring", layer))
-                    moves.append(lk.entries[max(0, lk.num_entries - g.reserved):].to(dt))
+                    moves.append(lk.entries[max(0, n4 - g.reserved - cut // g.cfg.csa_rate):].to(dt))
             elif lk.kind == "hca":
                 writes.append(("hca", layer))
-                moves.append(lk.entries.to(dt))
+                moves.append(tail(lk.entries, g.cfg.hca_rate).to(dt))
         on_device = self._stage(moves)
         self.put_field(gb, sf["swa"], on_device[0])
         rows = None
@@ -475,21 +568,26 @@ class TieredStore(KVStore):
             lk = layout.layers[key]
             if what == "hca":
                 j = g.hca_index[key]
-                e = torch.arange(lk.num_entries, device=self.device)
+                e = torch.arange(r.shared * g.eh, layout.num_tokens // g.cfg.hca_rate, device=self.device)
                 f = g.block_fields["hca"]
                 page = r.blocks_t[e // g.eh]
                 self.rows(g.md)[f.row(self.page_base(page), j * g.eh + e % g.eh)] = t
                 continue
             if rows is None:  # the index tensors every CSA layer of this request shares: made once
-                rows = self._c4_rows(r, lk.num_entries)
+                rows = self._c4_rows(r, n4, r.shared * g.e4)
             j = g.csa_index[key]
             if what == "keys":
                 self.arena[rows["keys"] + j * g.e4 * g.block_fields["index_keys"].width] = t
                 if g.offload:
-                    self._write_c4_host(r, j, lk, rows)
+                    self._write_c4_host(r, j, tail(lk.entries, g.cfg.csa_rate), r.shared * g.e4, rows)
             elif what == "c4":
                 self.rows(g.md)[rows["c4"] + j * g.e4] = t
             else:  # "ring": the newest entries also go into the ring of the hot buffer
+                lo = max(0, n4 - g.reserved)
+                left_out = max(0, cut // g.cfg.csa_rate - lo)  # ring entries the layout left out
+                if left_out:
+                    e = torch.arange(lo, lo + left_out, device=self.device)
+                    t = torch.cat((self.hot.host_view[j][self.hot.host.rows(r.host_blocks_t.to(self.device), e)].to(dt), t))
                 self.hot.place_newest(j, r.group, rows["slots"], rows["hot_rows"], t)
 
     def _stage(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -524,21 +622,22 @@ class TieredStore(KVStore):
             out[i] = dev[off : off + n].view(t.dtype).view(t.shape)
         return out
 
-    def _c4_rows(self, r: Resident, n: int) -> dict[str, torch.Tensor]:
-        """Where a request's `n` C4 entries (and their indexer keys) go, for CSA layer 0; layer j is offset."""
+    def _c4_rows(self, r: Resident, n: int, start: int = 0) -> dict[str, torch.Tensor]:
+        """Where a request's C4 entries start..n (and their indexer keys) go, for CSA layer 0 (layer j is offset); its
+        entry-map rows; the ring slots and map rows of its newest entries."""
         g, dev = self.geo, self.device
-        e = torch.arange(n, device=dev)
+        e = torch.arange(start, n, device=dev)
         pb = self.page_base(r.blocks_t[e // g.e4])
         f = g.block_fields["index_keys"]
         out = {"keys": f.start(pb, e % g.e4)[:, None] + torch.arange(f.width, device=dev)}
         if not g.offload:
             out["c4"] = g.block_fields["c4"].row(pb, e % g.e4)
             return out
-        out["map"] = self._map_rows(r.blocks_t)
+        out["map"] = self._map_rows(r.map_t)
         if g.reserved and n:
-            newest = e[max(0, n - g.reserved):]
+            newest = torch.arange(max(0, n - g.reserved), n, device=dev)
             out["slots"] = g.lru + newest % g.reserved
-            out["hot_rows"] = block_rows(r.blocks_t, newest, g.e4)
+            out["hot_rows"] = block_rows(r.map_t, newest, g.e4)
         return out
 
     def _map_rows(self, blocks_t: torch.Tensor) -> torch.Tensor:
@@ -546,25 +645,25 @@ class TieredStore(KVStore):
         e4 = self.geo.e4
         return (blocks_t[:, None] * e4 + torch.arange(e4, device=self.device)).flatten()
 
-    def _write_c4_host(self, r: Resident, j: int, lk, rows: dict[str, torch.Tensor]) -> None:
-        """CSA layer j's C4 entries into the request's host blocks, whole blocks at a time, and fresh bookkeeping:
-        none of them is resident yet. The blocks go through NumPy's indexed assignment of byte rows: for 32K
-        entries of 584 B, 1.5 ms against 11 ms for torch's indexed row copy and 13 ms for `index_copy_` here
-        (`python -m bench.admission`)."""
+    def _write_c4_host(self, r: Resident, j: int, entries: torch.Tensor, first: int, rows: dict[str, torch.Tensor]) -> None:
+        """CSA layer j's C4 entries `first`.. (a multiple of a block's) into the request's host blocks, whole blocks
+        at a time, and fresh bookkeeping: none of its entries is resident yet. The blocks go through NumPy's indexed
+        assignment of byte rows: for 32K entries of 584 B, 1.5 ms against 11 ms for torch's indexed row copy and
+        13 ms for `index_copy_` here (`python -m bench.admission`)."""
         g, host = self.geo, self.hot.host
-        entries, n, e4 = lk.entries, lk.num_entries, g.e4
+        n, e4, b0 = entries.shape[0], g.e4, first // g.e4
         kv = host.kv[j]  # [host rows, row]
         if entries.device != kv.device:  # written from the device (a prefill in this process, on its GPU)
-            e = torch.arange(n, device=entries.device)
+            e = torch.arange(first, first + n, device=entries.device)
             write_rows(self.hot.host_view, j, host.rows(r.host_blocks_t.to(entries.device), e), entries)
         else:
             full = n // e4
             src = entries.to(kv.dtype).contiguous()
             if full:
                 dst = kv.view(-1, e4 * kv.shape[-1]).view(torch.uint8).numpy()  # [host blocks, block bytes]
-                dst[r.host_blocks_np[:full]] = src[: full * e4].reshape(full, -1).view(torch.uint8).numpy()
+                dst[r.host_blocks_np[b0 : b0 + full]] = src[: full * e4].reshape(full, -1).view(torch.uint8).numpy()
             if n > full * e4:
-                start = r.host_blocks[full] * e4
+                start = r.host_blocks[b0 + full] * e4
                 kv[start : start + n - full * e4] = src[full * e4 :]
         self.hot.forget(j, r.group, rows["map"])
 
@@ -577,10 +676,15 @@ class TieredStore(KVStore):
                 r = self.swapped.pop(request_id).resident
             else:
                 r = self.residents.pop(request_id)
-                self.pages.free(request_id, r.group, r.blocks + r.c4_pages)
+                self.pages.free(request_id, r.group, r.blocks[r.shared :] + r.c4_pages)
+            if r.shared:  # its references go; the pages nobody holds now are freed
+                gone = self.sharing.release(request_id, r.shared_keys, r.maps)
+                self.pages.free_blocks(OWNER, [p.page for p in gone])
+                if self.host_alloc is not None:
+                    self.host_alloc.free(OWNER, [p.host_block for p in gone])
             if self.host_alloc is None:
                 return
-            rest = r.host_blocks
+            rest = r.host_blocks[r.shared :]
             if kept is not None:
                 self.host_alloc.transfer(request_id, kept.owner, kept.host_blocks)
                 rest = r.host_blocks[kept.num_pages :]
@@ -592,7 +696,7 @@ class TieredStore(KVStore):
         """What of a finishing request is kept (step thread: copies its prompt pages' device contents to the host);
         None when retention is off or it does not fit the budget."""
         g = self.geo
-        if r is None or not self.retention.enabled or not r.filled or not r.prefix_keys:
+        if r is None or not self.retention.enabled or not r.filled or not r.prefix_keys or r.shared:
             return None
         m = min(len(r.prefix_keys), r.num_tokens // g.block_tokens, len(r.blocks), len(r.host_blocks))
         nbytes = m * (g.host_block_bytes + g.page_elems * g.elem)
@@ -629,7 +733,7 @@ class TieredStore(KVStore):
         if c4:
             self._set_c4(r, r.c4_pages + c4)
         if self.hot is not None:
-            rows = self._map_rows(r.blocks_t[-need:])
+            rows = self._map_rows(r.map_t[-need:])
             for j in range(len(self.geo.csa_layers)):
                 self.hot.unmap(j, rows)
         return True
@@ -643,11 +747,13 @@ class TieredStore(KVStore):
         r.blocks = blocks
         r.blocks_np = np.array(blocks, dtype=np.int64)
         r.blocks_t = torch.from_numpy(r.blocks_np).to(self.device, non_blocking=True)
+        self._set_map(r)
 
     def _page_index(self, r: Resident) -> torch.Tensor:
-        """The arena pages a request holds on the device, in order: its state group's, then its blocks."""
+        """The arena pages a request holds on the device as its own, in order: its state group's, then its blocks
+        after the shared ones (those stay where they are while it is paused: `cachetier.sharing`)."""
         gp = self.geo.group_pages
-        pages = np.concatenate((np.arange(r.group * gp, (r.group + 1) * gp, dtype=np.int64), r.blocks_np))
+        pages = np.concatenate((np.arange(r.group * gp, (r.group + 1) * gp, dtype=np.int64), r.blocks_np[r.shared :]))
         return torch.from_numpy(pages).to(self.device)
 
     def swap_out(self, request_id: str) -> None:
@@ -661,7 +767,7 @@ class TieredStore(KVStore):
         saved = self.arena.view(-1, self.geo.page_elems)[self._page_index(r)].to("cpu")
         with self._alloc_lock:
             del self.residents[request_id]
-            self.pages.free(request_id, r.group, r.blocks + r.c4_pages)  # resident C4 entries: the host has them
+            self.pages.free(request_id, r.group, r.blocks[r.shared :] + r.c4_pages)  # resident C4 entries: the host has them
             self.swapped[request_id] = Swapped(r, saved)
         if r.c4_pages:
             self._set_c4(r, [])
@@ -674,15 +780,16 @@ class TieredStore(KVStore):
         attention reads are the same either way.)"""
         sw = self.swapped[request_id]
         r = sw.resident
-        if not self.pages.can_allocate(len(r.blocks) + spare_blocks):
-            self._reclaim(self.geo.group_pages + len(r.blocks) + spare_blocks)
+        own = len(r.blocks) - r.shared  # its shared pages stayed
+        if not self.pages.can_allocate(own + spare_blocks):
+            self._reclaim(self.geo.group_pages + own + spare_blocks)
         with self._alloc_lock:
-            if not self.pages.can_allocate(len(r.blocks) + spare_blocks):
+            if not self.pages.can_allocate(own + spare_blocks):
                 return False
-            group, blocks = self.pages.allocate(request_id, len(r.blocks))
+            group, blocks = self.pages.allocate(request_id, own)
             del self.swapped[request_id]
             r.group = group
-            self._set_blocks(r, blocks)
+            self._set_blocks(r, r.blocks[: r.shared] + blocks)
             self.residents[request_id] = r
         self.arena.view(-1, self.geo.page_elems)[self._page_index(r)] = sw.pages.to(self.device)
         if self.hot is not None:
@@ -734,7 +841,7 @@ class TieredStore(KVStore):
         self._set_c4(r, pages)
         host_rows, dev_rows = self._resident_c4(r)
         r.c4_host_upto = len(host_rows)
-        map_rows = self._map_rows(r.blocks_t)
+        map_rows = self._map_rows(r.map_t)
         for j, rows in enumerate(dev_rows):
             if len(host_rows):
                 self.rows(self.geo.md)[rows] = self.hot.host.kv[j, host_rows].to(self.device)
@@ -911,6 +1018,8 @@ class TieredStore(KVStore):
                        swaps=self.swaps, resumes=self.resumes)
         if self.retention.enabled:
             out.update(self.retention.stats())
+        if self.sharing is not None:
+            out.update(self.sharing.stats())
         if self.residency is not None:
             out.update(resident_requests=sum(1 for r in self.residents.values() if r.c4_pages),
                        resident_c4_pages=sum(len(r.c4_pages) for r in self.residents.values()),
@@ -935,19 +1044,21 @@ class TieredStore(KVStore):
         owned = sum(1 for o in self.pages.owner if o is not None)
         if owned + self.pages.num_free != g.num_pages:
             fail(f"device pages: {owned} used + {self.pages.num_free} free != {g.num_pages}")
-        expect = sum(g.group_pages + len(r.blocks) + len(r.c4_pages) for r in self.residents.values())
-        if owned != expect:
-            fail(f"device pages: {owned} owned but residents hold {expect}")
+        shared = self.sharing.pages if self.sharing is not None else {}
+        expect = sum(g.group_pages + len(r.blocks) - r.shared + len(r.c4_pages) for r in self.residents.values())
+        if owned != expect + len(shared):
+            fail(f"device pages: {owned} owned but residents hold {expect} of their own and {len(shared)} are shared")
         if not self.pages.group_counts_hold():
             fail("device pages: the per-group counts the allocator keeps differ from the pages' owners")
         for r in self.residents.values():
             gp = range(r.group * g.group_pages, (r.group + 1) * g.group_pages)
-            if any(self.pages.owner[p] != r.request_id for p in [*gp, *r.blocks, *r.c4_pages]):
+            if any(self.pages.owner[p] != r.request_id for p in [*gp, *r.blocks[r.shared :], *r.c4_pages]):
                 fail(f"{r.request_id}: a page it holds is owned by someone else")
             if r.c4_pages and len(r.c4_pages) != len(r.blocks) * g.c4_pages_per_block:
                 fail(f"{r.request_id}: {len(r.c4_pages)} resident C4 pages for {len(r.blocks)} blocks")
             if len(r.blocks) * g.block_tokens < r.num_tokens:
                 fail(f"{r.request_id}: {r.num_tokens} tokens in {len(r.blocks)} blocks")
+        self._check_sharing(fail)
         if self.hot is None:
             return
         h_owned = sum(1 for o in self.host_alloc.owner if o is not None)
@@ -955,10 +1066,11 @@ class TieredStore(KVStore):
             fail(f"host blocks: {h_owned} used + {self.host_alloc.num_free} free != {self.host_alloc.num_blocks}")
         holders = [*self.residents.values(), *(sw.resident for sw in self.swapped.values())]
         kept = list(self.retention.kept.values())
-        if h_owned != sum(len(r.host_blocks) for r in holders) + sum(len(k.host_blocks) for k in kept):
-            fail("host blocks owned do not match the residents', swapped requests' and kept entries' tables")
+        if h_owned != (sum(len(r.host_blocks) - r.shared for r in holders) + sum(len(k.host_blocks) for k in kept)
+                       + len(shared)):
+            fail("host blocks owned do not match the residents', swapped requests', kept entries' and shared pages' tables")
         for r in holders:
-            if any(self.host_alloc.owner[b] != r.request_id for b in r.host_blocks):
+            if any(self.host_alloc.owner[b] != r.request_id for b in r.host_blocks[r.shared :]):
                 fail(f"{r.request_id}: a host block it holds is owned by someone else")
         for k in kept:
             if any(self.host_alloc.owner[b] != k.owner for b in k.host_blocks):
@@ -971,7 +1083,7 @@ class TieredStore(KVStore):
         for r in self.residents.values():
             if not r.filled:
                 continue  # reserved only: nothing of it is written yet
-            problems = self.hot.check(r.request_id, r.group, r.blocks_t, r.host_blocks_t, r.num_tokens // self.cfg.csa_rate,
+            problems = self.hot.check(r.request_id, r.group, r.map_t, r.host_blocks_t, r.num_tokens // self.cfg.csa_rate,
                                       resident=bool(r.c4_pages))
             if r.c4_pages:  # its device copy of every C4 entry the host holds equals the host's
                 host_rows, dev_rows = self._resident_c4(r, 0, r.c4_host_upto)
@@ -980,6 +1092,41 @@ class TieredStore(KVStore):
                         problems.append(f"{r.request_id} layer {j}: a resident C4 row differs from its host copy")
             if problems:
                 fail(problems[0])
+
+    def _check_sharing(self, fail) -> None:
+        """Shared pages: each owned by the registry (device page and host block), held by exactly the requests whose
+        first blocks it is, at the place its key gives; every holder's map blocks its own and none mapped twice."""
+        if self.sharing is None:
+            return
+        holders = [*self.residents.values(), *(sw.resident for sw in self.swapped.values())]
+        held: dict[str, set[str]] = {}
+        maps_seen: dict[int, str] = {}
+        for r in holders:
+            if len(r.maps) != r.shared or r.shared > len(r.prefix_keys) or len(r.map_np) != len(r.blocks):
+                fail(f"{r.request_id}: {r.shared} shared pages, {len(r.maps)} map blocks, {len(r.prefix_keys)} page keys")
+            for i, key in enumerate(r.shared_keys):
+                p = self.sharing.pages.get(key)
+                if p is None or p.page != r.blocks[i] or (self.host_alloc is not None and p.host_block != r.host_blocks[i]):
+                    fail(f"{r.request_id}: its shared block {i} is not the page registered under its key")
+                held.setdefault(key, set()).add(r.request_id)
+            own = r.map_np[r.shared :].tolist() != r.blocks_np[r.shared :].tolist()
+            if own or r.map_np[: r.shared].tolist() != list(r.maps):
+                fail(f"{r.request_id}: its entry-map table is not its map blocks and its own blocks")
+            for i, m in enumerate(r.maps):
+                if m == r.blocks[i]:
+                    continue  # the page's first holder: it maps as itself
+                if self.sharing.map_owner.get(m) != r.request_id or m in maps_seen:
+                    fail(f"{r.request_id}: map block {m} is not its own (held by {self.sharing.map_owner.get(m)!r})")
+                maps_seen[m] = r.request_id
+        if len(maps_seen) != len(self.sharing.map_owner):
+            fail(f"map blocks: {len(self.sharing.map_owner)} taken, {len(maps_seen)} in holders' tables")
+        for key, p in self.sharing.pages.items():
+            if p.holders != held.get(key, set()):
+                fail(f"shared page {p.page}: held by {sorted(p.holders)}, yet in the tables of {sorted(held.get(key, ()))}")
+            if self.pages.owner[p.page] != OWNER or (self.host_alloc is not None and self.host_alloc.owner[p.host_block] != OWNER):
+                fail(f"shared page {p.page}: not owned by the shared pages in the allocators")
+        if set(held) - set(self.sharing.pages):
+            fail("a request holds a shared page that is not registered")
 
     def close(self) -> None:
         if self.hot is not None:

@@ -60,12 +60,13 @@ class TieredBatch(DecodeKV):
         staged = dev.type == "cuda"  # a separate pinned host copy only where host and device differ
         m = self.META_ROWS
         self._meta_host = torch.zeros(m, num_rows, dtype=torch.long, pin_memory=staged)  # positions, groups, tokens[, ...]
-        self._tables_host = torch.zeros(2, num_rows, num_blocks, dtype=torch.long, pin_memory=staged)  # pages, host blocks
+        # device pages, host blocks, entry-map blocks (`cachetier.sharing`: a shared page's holders map it apart)
+        self._tables_host = torch.zeros(3, num_rows, num_blocks, dtype=torch.long, pin_memory=staged)
         self._meta = torch.zeros(m, num_rows, dtype=torch.long, device=dev) if staged else self._meta_host
         self._meta_np = self._meta_host.numpy()
-        self._tables = torch.zeros(2, num_rows, num_blocks, dtype=torch.long, device=dev) if staged else self._tables_host
+        self._tables = torch.zeros(3, num_rows, num_blocks, dtype=torch.long, device=dev) if staged else self._tables_host
         self.positions, self.groups, self.token_ids = self._meta.unbind(0)[:3]  # [rows] each
-        self.blocks, self.host_blocks = self._tables.unbind(0)  # [rows, num_blocks] each
+        self.blocks, self.host_blocks, self.map_blocks = self._tables.unbind(0)  # [rows, num_blocks] each
         self._c4_host = self.c4_blocks = None
         if c4_mode != TIERED:  # each block's resident C4 pages, scratch for rows that are not resident
             self._c4_host = torch.zeros(num_rows, num_blocks * g.c4_pages_per_block, dtype=torch.long, pin_memory=staged)
@@ -78,7 +79,8 @@ class TieredBatch(DecodeKV):
     def bucket_tensors(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         """The buffers whose sizes are the bucket, with those dims: every other tensor of a step is sized from them."""
         out = [(self._meta, (1,)), (self._tables, (1, 2)), (self.positions, (0,)), (self.groups, (0,)),
-               (self.token_ids, (0,)), (self.blocks, (0, 1)), (self.host_blocks, (0, 1))]  # views are inputs too
+               (self.token_ids, (0,)), (self.blocks, (0, 1)), (self.host_blocks, (0, 1)),
+               (self.map_blocks, (0, 1))]  # views are inputs too
         return out if self.c4_blocks is None else [*out, (self.c4_blocks, (0, 1))]
 
     # host side ------------------------------------------------------------------------------------
@@ -109,13 +111,14 @@ class TieredBatch(DecodeKV):
         and on the padding rows: a slice copy per request (64 rows x 4,096 blocks in well under a millisecond), no
         Python lists."""
         g = self.g
-        tables = self._tables_host.numpy()  # [2, rows, width]: device pages, host blocks
+        tables = self._tables_host.numpy()  # [3, rows, width]: device pages, host blocks, map blocks
         width = tables.shape[-1]
-        tables = tables.reshape(2, -1, span, width)
-        tables[0], tables[1] = g.scratch_page, g.num_host_blocks  # the host pool's last block is scratch
+        tables = tables.reshape(3, -1, span, width)
+        tables[0], tables[1], tables[2] = g.scratch_page, g.num_host_blocks, g.scratch_map  # the host pool's last block is scratch
         for i, r in enumerate(residents):
             nb = min(len(r.blocks_np), width)
             tables[0, i, :, :nb] = r.blocks_np[:nb]
+            tables[2, i, :, :nb] = r.map_np[:nb]
             nh = min(len(r.host_blocks_np), width)
             tables[1, i, :, :nh] = r.host_blocks_np[:nh]
         if self._tables is not self._tables_host:
@@ -221,8 +224,8 @@ class TieredBatch(DecodeKV):
     def _map_rows(self, e: torch.Tensor) -> torch.Tensor:
         """Elements of a CSA layer's entry map for C4 entries e ([rows] or [rows, n], >= 0) of each batch row."""
         if e.dim() == 1:
-            return block_rows(self.blocks, e[:, None], self.g.e4).squeeze(1)
-        return block_rows(self.blocks, e, self.g.e4)
+            return block_rows(self.map_blocks, e[:, None], self.g.e4).squeeze(1)
+        return block_rows(self.map_blocks, e, self.g.e4)
 
     def append_entries(self, layer, kind, emit, entries) -> None:
         g, cfg = self.g, self.cfg

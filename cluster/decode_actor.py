@@ -155,7 +155,8 @@ class DecodeActor(ReplicaRank):
         return DecodeInfo(name=self.name, node_id=ray.get_runtime_context().get_node_id(), pid=os.getpid(),
                           layout_format=self.format, describe=describe_worker(self.model, self.worker.runner.mode),
                           capacity=Capacity(g.num_pages, g.group_pages, g.block_tokens, self.worker.max_running,
-                                            keeps=self.store.retention.enabled),
+                                            keeps=self.store.retention.enabled,
+                                            shares=self.store.sharing is not None),
                           **self._rank_info())
 
     def report(self) -> Report:

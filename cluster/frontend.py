@@ -80,9 +80,10 @@ class Frontend:
                 self.affinity.seed(i.name, list(i.prefix_pages))
         self.collectors = Collectors()
         room = asyncio.Event()
-        keeps = [i.capacity.block_tokens for _, i in decode if i.capacity.keeps]
-        self.kept = PrefixAffinity(keeps[0], 0) if keeps else None
-        """Follow-up routing: the page keys of prompts that finished on each decode actor that keeps them."""
+        keyed = [i.capacity.block_tokens for _, i in decode if i.capacity.takes_keys]
+        self.kept = PrefixAffinity(keyed[0], 0) if keyed else None
+        """Page-key routing: the page keys of prompts that finished on each decode actor that keeps them, and of those
+        placed on one that shares pages among its running requests."""
         self.members = Membership([Member(h, i.name, i) for h, i in prefill], [Member(h, i.name, i) for h, i in decode],
                                   self.deadlines, self.id, self.collectors, room, self.affinity, self.kept)
         self.placement = Placement(self.members, self.deadlines, room, self.affinity, self.kept)

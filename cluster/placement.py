@@ -76,7 +76,7 @@ class Placement:
                                                      m.pending_pages - (m.report.pages_free if m.report else 0))):
                     pages = m.info.capacity.pages_for(tokens)
                     m.pending_pages += pages
-                    sent = keys if m.info.capacity.keeps else ()
+                    sent = keys if m.info.capacity.takes_keys else ()
                     try:
                         ok, m.report, held = await _await(
                             m.handle.reserve.remote(self.members.owner, attempt.key, tokens, sent))
@@ -87,6 +87,8 @@ class Placement:
                         m.pending_pages -= pages
                     if ok:
                         m.keys.add(attempt.key)
+                        if sent and m.info.capacity.shares:  # the next prompt with these first pages shares them there
+                            self.kept.record(m.name, list(sent))
                         return m, sent, held
                 left = deadline - time.monotonic()
                 if left <= 0:

@@ -141,6 +141,15 @@ class Capacity:
     keeps: bool = False
     """It keeps finished requests' prompt pages for follow-up turns (`--retain-bytes`): routing sends a prompt that
     extends one back there, with its page keys (`cachetier.retention`)."""
+    shares: bool = False
+    """Its running requests hold the full pages their contexts share once (`--share-prefixes`): routing sends each
+    prompt's page keys, and prefers the actor where a prompt with the same first pages was placed
+    (`cachetier.sharing`)."""
+
+    @property
+    def takes_keys(self) -> bool:
+        """Whether its reservations take the context's page keys (it matches them against pages it holds)."""
+        return self.keeps or self.shares
 
     def pages_for(self, reserve_tokens: int) -> int:
         """Pages a request of this final length takes here (`cachetier.geometry.pages_for_request`)."""
@@ -208,6 +217,12 @@ class DecodeStats:
     kept_reused_pages: int = 0
     """Reservations that took a kept entry over, and the pages their handoffs left out, since start."""
     kept_evicted: int = 0
+    shared_pages_now: int = 0
+    """With `--share-prefixes`: full context pages its running requests hold once now (`cachetier.sharing`)."""
+    share_shared_pages: int = 0
+    share_shared_at_fill: int = 0
+    """References to a shared page taken at reservation (the handoff left it out) and when a layout was written,
+    since start."""
     handoffs: int = 0
     handoff_bytes: int = 0
     subscribers: int = 0

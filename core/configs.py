@@ -95,11 +95,17 @@ class TierConfig:
     `cachetier.retention`, `--retain-bytes`). Their C4 entries stay in the host pool's blocks, their indexer keys and
     HCA entries are copied off the device; a next prompt that extends one is routed here and its handoff carries
     only the pages after it. Kept pages are the first to go when admission needs host blocks."""
+    share_prefixes: int = 0
+    """Running requests whose contexts begin with the same full pages hold those pages once, in both tiers
+    (`cachetier.sharing`, `--share-prefixes N`; 0: every request holds its own). With the tier on each holder after
+    the first addresses a shared page's entries through a map block of its own: N map blocks per device page are set
+    aside for that, charged to the device budget (the entry map's bytes per page, N times), so on average N + 1
+    requests can hold each page."""
 
     def __post_init__(self) -> None:
         # whether the budget holds a request depends on the model: `cachetier.geometry.Geometry` decides that
         _at_least(self, max_running=1, device_budget_bytes=1, host_pool_bytes=0, block_tokens=1, speculative_tokens=0,
-                  output_estimate_tokens=1, retain_bytes=0)
+                  output_estimate_tokens=1, retain_bytes=0, share_prefixes=0)
         if self.reserve not in RESERVE_POLICIES:
             raise ValueError(f"reserve must be one of {RESERVE_POLICIES}, got {self.reserve!r}")
         if self.resident and not self.offload:
@@ -108,6 +114,9 @@ class TierConfig:
         if self.retain_bytes and not self.offload:
             raise ValueError("keeping finished requests for follow-up turns (--retain-bytes) needs the tier on "
                              "(--offload on): their C4 entries stay in its host pool")
+        if self.retain_bytes and self.share_prefixes:
+            raise ValueError("--retain-bytes and --share-prefixes do not combine yet: a finished request's kept pages "
+                             "would be shared with running ones; choose one")
 
 
 STATE_POLICIES = ("last", "every")

@@ -397,7 +397,10 @@ class DecodeWorker:
                     self.store.rebalance(new_step=False) and self.store.fits(req.reserve_tokens, req.context_tokens)):
                 break  # arrival order: nobody jumps the queue
             self.waiting.popleft()
-            self.store.admit(req.request_id, req.layout, req.reserve_tokens)
+            a = req.attempt
+            context = (*a.prompt_token_ids, *a.generated[:-1])  # what it prefilled, when the prompt came with it
+            keys = self.store.page_keys(context) if len(context) == req.layout.num_tokens else ()
+            self.store.admit(req.request_id, req.layout, req.reserve_tokens, keys)
             self._start(req)
         # reservations whose layout never came
         if self.reserved:

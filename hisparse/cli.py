@@ -90,6 +90,7 @@ TIER = [
     Flag("--output-estimate-tokens", TierConfig, "output_estimate_tokens", {"type": int}),
     Flag("--resident", TierConfig, "resident", ON_OFF),
     Flag("--retain-bytes", TierConfig, "retain_bytes", BYTES, bytes=True),
+    Flag("--share-prefixes", TierConfig, "share_prefixes", {"type": int, "metavar": "N"}),
 ]
 STEP = [
     Flag("--decode-mode", StepConfig, "decode_mode", {"choices": DECODE_MODES}),

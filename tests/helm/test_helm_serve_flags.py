@@ -86,6 +86,11 @@ def test_resident_entries_reach_the_decode_flag(helm):
     assert parse_serve(serve_args(helm.render())).tier.resident is False
 
 
+def test_shared_prefixes_reach_the_decode_flag(helm):
+    assert parse_serve(serve_args(helm.render(sets=("serve.sharePrefixes=4",)))).tier.share_prefixes == 4
+    assert parse_serve(serve_args(helm.render())).tier.share_prefixes == 0
+
+
 def test_kept_pages_reach_the_decode_flag_and_count_in_the_decode_pod(helm):
     assert parse_serve(serve_args(helm.render(sets=("serve.retainBytes=2GiB",)))).tier.retain_bytes == 2 * GiB
     assert parse_serve(serve_args(helm.render())).tier.retain_bytes == 0

@@ -20,6 +20,11 @@ With resident C4 entries (`TierConfig.resident`, `cachetier.residency`) the tier
 holds a few requests' C4 entries in full: requests become resident while there is room, shrink back to their hot
 buffers as later ones join, and grow again as others leave, with more flips forced at chosen steps, so steps run
 all-resident, mixed and not resident at all, eagerly, captured, and together with the elastic pauses.
+
+With shared prefixes (`TierConfig.share_prefixes`, `cachetier.sharing`) every prompt begins with the same 300
+tokens, two full pages of 128: each request after the first holds those pages by reference (its entry map apart),
+while it is paused, resident, shrunk, captured, and after the first holders left; the stream is plain layouts' of
+the same prompts.
 """
 
 from __future__ import annotations
@@ -46,21 +51,28 @@ there is room), besides the rebalancing."""
 CAPTURED = StepConfig(decode_mode="compiled", compile_backend="eager", warmup=False)
 
 
-def _schedule(model, store, step_config=None, short=False, pauses=None, flips=None):
+SHARED_PREFIX = 300
+"""Shared-prefix schedules: tokens every prompt begins with (two full pages of `SHARED_PAGE`, then a partial one)."""
+SHARED_PAGE = 128
+
+
+def _schedule(model, store, step_config=None, short=False, pauses=None, flips=None, prefix=0):
     """`short`: the first six requests (all join at once) at half their length: still 50+ C4 entries each
     against a hot buffer of 20 slots (the bf16 runs, which check the same identity in the other dtype).
     `pauses`: step -> request id paused by force before that step (it resumes when room allows); the store's
     integrity is checked after every step that paused or resumed a request. `flips`: step -> request id whose
-    residency is flipped by force before that step (integrity checked after every step whose residency changed)."""
+    residency is flipped by force before that step (integrity checked after every step whose residency changed).
+    `prefix`: tokens every prompt begins with (given with the request, so a sharing store matches its pages)."""
     g = torch.Generator().manual_seed(123)
+    common = torch.randint(6, model.cfg.vocab_size, (prefix,), generator=torch.Generator().manual_seed(7)).tolist()
     reqs = []
     lengths = [mt // 2 for mt in MAX_TOKENS[:6]] if short else MAX_TOKENS
     for i, (n, mt) in enumerate(zip(PROMPTS, lengths)):
-        ids = torch.randint(6, model.cfg.vocab_size, (n,), generator=g).tolist()
+        ids = common + torch.randint(6, model.cfg.vocab_size, (n,), generator=g).tolist()
         sp = SamplingParams(max_tokens=mt, ignore_eos=True, temperature=0.0 if i % 2 == 0 else 0.9, top_p=0.95)
         logits, layout = model.prefill(ids, last_only=True)
         first = sample(logits, [sp], [1000 + i], [0])[0]
-        reqs.append(DecodeRequest.fresh(f"r{i}", layout, first, sp, seed=1000 + i))
+        reqs.append(DecodeRequest.fresh(f"r{i}", layout, first, sp, seed=1000 + i, prompt_token_ids=ids))
     worker = DecodeWorker(model, store, max_running=16, step_config=step_config or EAGER_STEP)
     out = {r.request_id: [r.first_token.token_id] for r in reqs}
     step, max_batch = 0, 0
@@ -110,6 +122,15 @@ def _run(name: str, model_dir: str):
     budget = 64 * 2**20
     if name == "plain":
         return _schedule(model, LayoutStore(cfg), short=short)
+    if name == "plain_shared":
+        return _schedule(model, LayoutStore(cfg), prefix=SHARED_PREFIX)
+    if name in ("on_shared", "on_shared_captured"):  # elastic, resident, paused and flipped; or captured and flipped
+        eager = name == "on_shared"
+        tier = TierConfig(offload=True, hot_buffer_slots=cfg.index_topk, reserved_slots=4, block_tokens=SHARED_PAGE,
+                          device_budget_bytes=800_000 if eager else 2_600_000, host_pool_bytes=budget, resident=True,
+                          share_prefixes=2, reserve="estimate" if eager else "final", output_estimate_tokens=16)
+        return _schedule(model, TieredStore(cfg, tier, dtype=model.dtype), None if eager else CAPTURED,
+                         pauses=PAUSE_AT if eager else None, flips=FLIP_AT, prefix=SHARED_PREFIX)
     if name in ("on_elastic", "off_elastic", "on_elastic_resident"):  # about 6 (on) and 4 (off) at their final length
         on = name != "off_elastic"
         tier = TierConfig(offload=on, hot_buffer_slots=cfg.index_topk if on else None, reserved_slots=4,
@@ -137,8 +158,9 @@ def streams(tiny_dir):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    names = ("on_captured", "on_resident_captured", "on", "off", "plain", "on_elastic", "off_elastic", "on_resident",
-             "on_elastic_resident", "on_bf16", "off_bf16", "plain_bf16")  # the slowest first
+    names = ("on_captured", "on_resident_captured", "on_shared_captured", "on", "off", "plain", "on_elastic", "off_elastic",
+             "on_resident", "on_elastic_resident", "on_shared", "plain_shared", "on_bf16", "off_bf16",
+             "plain_bf16")  # the slowest first
     with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {name: pool.submit(_run, name, str(tiny_dir)) for name in names}
         return {name: f.result() for name, f in futures.items()}
@@ -218,6 +240,23 @@ def test_resident_streams_identical_through_transitions(streams, name):
         assert run["mode"] == "compiled" and len(run["compile_log"]) == run["compiles"] <= 8
 
 
+@pytest.mark.parametrize("name", ["on_shared", "on_shared_captured"])
+def test_shared_prefix_streams_identical_through_transitions(streams, name):
+    """Nine requests hold the first two pages of their prompts by reference: the same stream as plain layouts of the
+    same prompts, through pauses, residency flips and a captured step; the pages were held once."""
+    assert streams[name][0] == streams["plain_shared"][0]
+    assert streams["plain_shared"][0] != streams["plain"][0]
+    st = streams[name][2]["stats"]
+    assert st["share_shared_pages"] == 2 * (len(PROMPTS) - 1)  # every request after the first, at its reservation
+    assert st["share_freed"] == st["share_registered"] >= 2 and st["shared_pages_now"] == 0
+    assert st["promotions"] > 0 and st["demotions"] > 0
+    if name == "on_shared":
+        assert st["swaps"] > len(PAUSE_AT) // 2 and st["resumes"] == st["swaps"]
+    else:
+        run = streams[name][2]
+        assert run["mode"] == "compiled" and len(run["compile_log"]) == run["compiles"] <= 8
+
+
 def test_nothing_resolved_while_every_request_is_resident(tiny_model):
     """Room for every request's C4 entries in full: after their first step they are all resident, the steps read
     their C4 pages directly, and the hot tier counts no hit and no miss."""
@@ -236,7 +275,7 @@ def test_nothing_resolved_while_every_request_is_resident(tiny_model):
 
 def test_everything_returned_after_the_run(streams):
     for name in ("on", "off", "on_captured", "on_bf16", "off_bf16", "on_elastic", "off_elastic", "on_resident",
-                 "on_resident_captured", "on_elastic_resident"):
+                 "on_resident_captured", "on_elastic_resident", "on_shared", "on_shared_captured"):
         st = streams[name][2]["stats"]
         assert st["running"] == 0 and st["device_bytes_used"] == 0 and st["host_bytes_used"] == 0
         assert st["pages_free"] == st["pages_total"]

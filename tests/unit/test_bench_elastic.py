@@ -1,6 +1,7 @@
 """`python -m bench.elastic --quick`: one JSON object; tier off, on and on with residency give the same tokens, the
 resident worker misses nothing and admits as many at full load as the tier on; the two admission policies give the
-same tokens, and the estimating one runs more requests at once under the same budget."""
+same tokens, and the estimating one runs more requests at once under the same budget; requests sharing a prefix hold
+and hand over a fraction of the bytes."""
 
 from __future__ import annotations
 
@@ -31,7 +32,12 @@ def test_quick_run():
     assert final["tokens"] == estimate["tokens"]
     assert estimate["most_decoding_at_once"] > final["most_decoding_at_once"]
     assert estimate["resumes"] == estimate["pauses"]
-    assert set(result["not_measured"]) == {"shared_prefix_bytes"}
+    assert "not_measured" not in result
+    shared = result["shared_prefix"]
+    for tier in ("on", "off"):  # 16 requests over 8,192 shared tokens: a fraction of the bytes, in every measure
+        ratio = shared[f"ratio_{tier}"]
+        assert 0 < ratio["device_bytes"] < 0.5 and 0 < ratio["handoff_bytes"] < 0.5
+    assert 0 < shared["ratio_on"]["host_bytes"] < 0.5 and shared["by_tier"]["off"]["host_bytes"] == 0
     assert set(result["measured_elsewhere"]) == {"handoff_bytes_per_turn"}
     low = result["low_load"]
     assert low["identical_tokens"] is True and set(low["by_batch"]) == {"1", "2"}

@@ -36,9 +36,9 @@ class _Handle:
             setattr(self, name, _Method(fn))
 
 
-def _decode_info(name: str, max_running: int = 8, keeps: bool = False) -> DecodeInfo:
+def _decode_info(name: str, max_running: int = 8, keeps: bool = False, shares: bool = False) -> DecodeInfo:
     return DecodeInfo(name=name, capacity=Capacity(num_pages=1000, group_pages=1, block_tokens=256, max_running=max_running,
-                                                   keeps=keeps), **COMMON)
+                                                   keeps=keeps, shares=shares), **COMMON)
 
 
 def _prefill_info(name: str) -> PrefillInfo:
@@ -93,6 +93,37 @@ def test_a_follow_up_turn_asks_the_actor_that_kept_its_prompt_first():
     fresh = Attempt(Request("s", tuple(range(7, 600)), SamplingParams(max_tokens=4), 0), "s.0")
     m, _, held = asyncio.run(fe.placement.reserve(fresh, set()))
     assert m is fe.decode[1] and held == 0 and [n for n, _ in asked] == ["other"]
+
+
+def test_a_sibling_prompt_asks_the_actor_its_prefix_was_placed_on_first():
+    """With `--share-prefixes`, a prompt whose first pages match one placed earlier is asked of that decode actor
+    first (it holds those pages), even when another has more pages free, with its page keys; a prompt sharing no
+    full page goes the usual way (most free pages first)."""
+    asked: list[str] = []
+    reports = {"a": _report(running=0, reserved=0, free=900), "b": _report(running=0, reserved=0, free=800)}
+
+    def reserve_as(name):
+        async def reserve(owner, key, tokens, prefix_keys=()):
+            asked.append(name)
+            reports[name] = _report(running=1, reserved=0, free=reports[name].pages_free - 10)
+            return True, reports[name], 0
+        return reserve
+
+    fe = Frontend([(_Handle(), _prefill_info("p"))], [(_Handle(reserve=reserve_as("a")), _decode_info("a", shares=True)),
+                                                      (_Handle(reserve=reserve_as("b")), _decode_info("b", shares=True))])
+    for m in fe.decode:
+        m.report = reports[m.name]
+    prefix = tuple(range(520))
+    lead = Attempt(Request("lead", prefix, SamplingParams(max_tokens=4), 0), "lead.0")
+    m, keys, _ = asyncio.run(fe.placement.reserve(lead, set()))
+    assert m.name == "a" and len(keys) == 2
+    fe.decode[0].report = reports["a"] = _report(running=1, reserved=0, free=100)  # `a` now has the fewer pages free
+    sibling = Attempt(Request("sib", prefix + (9,) * 50, SamplingParams(max_tokens=4), 0), "sib.0")
+    m, keys, _ = asyncio.run(fe.placement.reserve(sibling, set()))
+    assert m.name == "a" and asked == ["a", "a"] and len(keys) == 2
+    other = Attempt(Request("o", tuple(range(9, 600)), SamplingParams(max_tokens=4), 0), "o.0")
+    m, _, _ = asyncio.run(fe.placement.reserve(other, set()))
+    assert m.name == "b" and asked[-1] == "b"
 
 
 def test_a_poll_loop_outlives_an_unexpected_error():

@@ -214,6 +214,7 @@ Byte sizes go out as integer bytes, which every spelling of `hisparse serve` acc
 {{- $a = concat $a (list "--output-estimate-tokens" (include "hisparse.int" $s.outputEstimateTokens)) -}}
 {{- $a = concat $a (list "--resident" (include "hisparse.onOff" $s.resident)) -}}
 {{- $a = concat $a (list "--retain-bytes" (include "hisparse.bytes" $s.retainBytes)) -}}
+{{- $a = concat $a (list "--share-prefixes" (include "hisparse.int" $s.sharePrefixes)) -}}
 {{- $a = concat $a (list "--device-budget" (include "hisparse.bytes" $s.deviceBudget)) -}}
 {{- if not (kindIs "invalid" $s.hostPoolBytes) -}}
 {{- $a = concat $a (list "--host-pool-bytes" (include "hisparse.bytes" $s.hostPoolBytes)) -}}
