@@ -54,9 +54,10 @@ class Retention:
         self.budget = budget_bytes
         self.kept: OrderedDict[str, Kept] = OrderedDict()
         self.nbytes = 0
-        self.count = {"total": 0, "reused": 0, "reused_pages": 0, "evicted": 0, "refused": 0}
+        self.count = {"total": 0, "reused": 0, "reused_pages": 0, "evicted": 0, "refused": 0, "copied_pages": 0}
         """Entries kept; reservations that took one over, and the pages they did not need sent; entries dropped for
-        the budget or for host blocks; finished requests too large to keep."""
+        the budget or for host blocks; finished requests too large to keep; pages kept by copying the host block of a
+        page running requests still share (`cachetier.sharing`)."""
 
     @property
     def enabled(self) -> bool:

@@ -340,9 +340,11 @@ class TieredStore(KVStore):
             if request_id in self.residents or request_id in self.swapped:
                 raise ValueError(f"request {request_id} already holds pages")
             s = self._shareable(keys, 0, nb - 1)  # its first pages held by others already: references, not pages
-            kept = self.retention.match(keys) if self.retention.enabled and keys and not s else None
-            if kept is not None and kept.num_pages > nh:
-                kept = None
+            kept = self.retention.match(keys) if self.retention.enabled and keys else None
+            if kept is not None and (kept.num_pages > nh or kept.num_pages <= s):
+                kept = None  # sharing covers as much, with no copy
+            if kept is not None:
+                s = 0
             if not self._pages_free_for(nb - s):
                 return False
             if self.host_alloc is not None and not self._host_room(nh - s - (kept.num_pages if kept else 0), kept):
@@ -671,32 +673,75 @@ class TieredStore(KVStore):
         """Return what a request holds. `keep` (it finished): its prompt pages stay for a follow-up turn, within the
         retention budget (`cachetier.retention`)."""
         kept = self._to_keep(self.residents.get(request_id)) if keep else None
+        copies: list[tuple[int, int]] = []
         with self._alloc_lock:
             if request_id in self.swapped:
                 r = self.swapped.pop(request_id).resident
             else:
                 r = self.residents.pop(request_id)
                 self.pages.free(request_id, r.group, r.blocks[r.shared :] + r.c4_pages)
-            if r.shared:  # its references go; the pages nobody holds now are freed
+            if kept is not None and r.shared:
+                kept, copies = self._keep_shared(r, kept)
+            if r.shared:  # its references go; the pages nobody holds now are freed (or their C4 entries kept)
                 gone = self.sharing.release(request_id, r.shared_keys, r.maps)
                 self.pages.free_blocks(OWNER, [p.page for p in gone])
                 if self.host_alloc is not None:
-                    self.host_alloc.free(OWNER, [p.host_block for p in gone])
+                    taken = set(kept.host_blocks) if kept is not None else set()
+                    if taken:
+                        self.host_alloc.transfer(OWNER, kept.owner, [p.host_block for p in gone if p.host_block in taken])
+                    self.host_alloc.free(OWNER, [p.host_block for p in gone if p.host_block not in taken])
             if self.host_alloc is None:
                 return
             rest = r.host_blocks[r.shared :]
             if kept is not None:
-                self.host_alloc.transfer(request_id, kept.owner, kept.host_blocks)
-                rest = r.host_blocks[kept.num_pages :]
+                self.host_alloc.transfer(request_id, kept.owner, r.host_blocks[r.shared : kept.num_pages])
+                rest = r.host_blocks[max(r.shared, kept.num_pages) :]
                 for old in self.retention.add(kept):
                     self.host_alloc.free(old.owner, old.host_blocks)
             self.host_alloc.free(request_id, rest)
+        if copies:  # step thread: nothing frees the shared blocks these read until it returns
+            e4 = self.geo.e4
+            src, dst = (torch.tensor([c[i] for c in copies], dtype=torch.long) for i in (0, 1))
+            ar = torch.arange(e4)
+            kv = self.hot.host.kv
+            kv[:, (dst[:, None] * e4 + ar).flatten()] = kv[:, (src[:, None] * e4 + ar).flatten()]
+
+    def _keep_shared(self, r: Resident, kept: Kept) -> tuple[Kept | None, list[tuple[int, int]]]:
+        """A finishing request's kept entry whose first pages are shared (lock held): a page it was the last to hold
+        gives its host block to the entry; one others still hold is copied into a free host block (the copy is made
+        once the lock is released: (from, to) blocks). As many pages are kept as there are blocks for."""
+        hosts, copies = [], []
+        free = self.host_alloc.num_free
+        m = kept.num_pages
+        for i in range(m):
+            if i >= r.shared:
+                hosts.append(r.host_blocks[i])
+                continue
+            p = self.sharing.pages[r.prefix_keys[i]]
+            if p.holders == {r.request_id}:
+                hosts.append(p.host_block)
+            elif len(copies) < free:
+                copies.append((p.host_block, None))
+                hosts.append(None)
+            else:
+                m = i
+                break
+        if not m:
+            return None, []
+        new = iter(self.host_alloc.allocate(kept.owner, sum(1 for h in hosts[:m] if h is None)))
+        pairs = []
+        for i, h in enumerate(hosts[:m]):
+            if h is None:
+                hosts[i] = next(new)
+                pairs.append((self.sharing.pages[r.prefix_keys[i]].host_block, hosts[i]))
+        self.retention.count["copied_pages"] += len(pairs)
+        return Kept(kept.owner, kept.keys[:m], hosts[:m], kept.pages[:m], kept.nbytes * m // kept.num_pages), pairs
 
     def _to_keep(self, r: Resident | None) -> Kept | None:
         """What of a finishing request is kept (step thread: copies its prompt pages' device contents to the host);
         None when retention is off or it does not fit the budget."""
         g = self.geo
-        if r is None or not self.retention.enabled or not r.filled or not r.prefix_keys or r.shared:
+        if r is None or not self.retention.enabled or not r.filled or not r.prefix_keys:
             return None
         m = min(len(r.prefix_keys), r.num_tokens // g.block_tokens, len(r.blocks), len(r.host_blocks))
         nbytes = m * (g.host_block_bytes + g.page_elems * g.elem)

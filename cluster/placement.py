@@ -30,6 +30,11 @@ def context_tokens(attempt: Attempt) -> list[int]:
     return list(attempt.prompt_token_ids) + list(attempt.generated[:-1])
 
 
+SHARE_SLACK = 0.25
+"""Routing for shared prefixes: the share of its request cap an actor may hold beyond the least loaded one and still
+be preferred for the pages it would share."""
+
+
 class Placement:
     def __init__(self, members: Membership, deadlines: DeadlineConfig, room: asyncio.Event,
                  affinity: PrefixAffinity | None, kept: PrefixAffinity | None = None) -> None:
@@ -72,8 +77,8 @@ class Placement:
                 self.room.clear()
                 fits = [m for m in live if self.might_fit(m, m.info.capacity.pages_for(tokens))]
                 kept = {m.name: self.kept.matched_pages(m.name, list(keys)) for m in fits} if keys else {}
-                for m in sorted(fits, key=lambda m: (-kept.get(m.name, 0),
-                                                     m.pending_pages - (m.report.pages_free if m.report else 0))):
+                least = min((self._load(m) for m in fits), default=0)
+                for m in sorted(fits, key=lambda m: self._order(m, kept.get(m.name, 0), least)):
                     pages = m.info.capacity.pages_for(tokens)
                     m.pending_pages += pages
                     sent = keys if m.info.capacity.takes_keys else ()
@@ -103,6 +108,25 @@ class Placement:
                     pass
         finally:
             self.waiting -= 1
+
+    @staticmethod
+    def _load(m: Member) -> int:
+        """Requests a decode actor holds, by its latest report."""
+        r = m.report
+        return r.running + r.reserved + r.waiting if r is not None else 0
+
+    @staticmethod
+    def _order(m: Member, matched: int, least: int) -> tuple[int, int]:
+        """Where a decode actor comes in the order reservations are asked in (lowest first): first the one holding the
+        longest prefix of this context (`matched` pages): a prompt it kept from an earlier turn (`--retain-bytes`), or
+        pages of requests placed there that this one would share (`--share-prefixes`) while it holds no more than
+        `SHARE_SLACK` of its request cap beyond the least loaded actor (one common system prompt must not pile every
+        request onto one actor); then the most pages free."""
+        room = (m.report.pages_free if m.report else 0) - m.pending_pages
+        cap = m.info.capacity
+        if matched and (cap.keeps or (cap.shares and Placement._load(m) - least <= SHARE_SLACK * cap.max_running)):
+            return (-matched, -room)
+        return (0, -room)
 
     async def pick_prefill(self, attempt: Attempt) -> Member:
         """The usable prefill actor holding the longest prefix of what the attempt prefills (within the load cap),

@@ -114,9 +114,6 @@ class TierConfig:
         if self.retain_bytes and not self.offload:
             raise ValueError("keeping finished requests for follow-up turns (--retain-bytes) needs the tier on "
                              "(--offload on): their C4 entries stay in its host pool")
-        if self.retain_bytes and self.share_prefixes:
-            raise ValueError("--retain-bytes and --share-prefixes do not combine yet: a finished request's kept pages "
-                             "would be shared with running ones; choose one")
 
 
 STATE_POLICIES = ("last", "every")

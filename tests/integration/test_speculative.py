@@ -436,3 +436,17 @@ def test_acceptance_is_learnt_from_full_rings_only(spec_model, prompts):
     assert cold.reached == DraftPolicy(N).reached and cold.kept == DraftPolicy(N).kept
     warm = policy_after(window + 60)
     assert warm.reached[1] != DraftPolicy(N).reached[1]
+
+
+def test_speculation_over_shared_prefix_pages(spec_model, prompts):
+    """Requests whose prompts begin with the same two pages of 128 tokens hold them once (`--share-prefixes`): the
+    speculative step resolves their C4 entries through each holder's own map blocks, and the greedy tokens are
+    spec-off's with every request holding its own copy."""
+    common = [t for p in prompts[:3] for t in p][:300]
+    shared = [common + p[: 20 + 30 * i] for i, p in enumerate(prompts)]
+    params = [SamplingParams(max_tokens=40 + 10 * i, ignore_eos=True) for i in range(len(prompts))]
+    off, _ = _run(spec_model, shared, params, 0, block_tokens=128)
+    on, stats = _run(spec_model, shared, params, N, block_tokens=128, share_prefixes=2)
+    assert on == off
+    assert stats["share_shared_pages"] == 2 * (len(prompts) - 1) and stats["shared_pages_now"] == 0
+    assert stats["speculation"]["acceptance_length"] > 1.2

@@ -96,16 +96,16 @@ def test_a_follow_up_turn_asks_the_actor_that_kept_its_prompt_first():
 
 
 def test_a_sibling_prompt_asks_the_actor_its_prefix_was_placed_on_first():
-    """With `--share-prefixes`, a prompt whose first pages match one placed earlier is asked of that decode actor
-    first (it holds those pages), even when another has more pages free, with its page keys; a prompt sharing no
-    full page goes the usual way (most free pages first)."""
+    """With `--share-prefixes`, a prompt whose first pages match one placed earlier is asked of that decode actor first
+    (it would share them there), with its page keys, even when another has more pages free; not once that actor holds
+    more than its share of requests beyond the least loaded one; a prompt sharing no full page goes the usual way
+    (most free pages first)."""
     asked: list[str] = []
     reports = {"a": _report(running=0, reserved=0, free=900), "b": _report(running=0, reserved=0, free=800)}
 
     def reserve_as(name):
         async def reserve(owner, key, tokens, prefix_keys=()):
             asked.append(name)
-            reports[name] = _report(running=1, reserved=0, free=reports[name].pages_free - 10)
             return True, reports[name], 0
         return reserve
 
@@ -114,14 +114,18 @@ def test_a_sibling_prompt_asks_the_actor_its_prefix_was_placed_on_first():
     for m in fe.decode:
         m.report = reports[m.name]
     prefix = tuple(range(520))
-    lead = Attempt(Request("lead", prefix, SamplingParams(max_tokens=4), 0), "lead.0")
-    m, keys, _ = asyncio.run(fe.placement.reserve(lead, set()))
+    m, keys, _ = asyncio.run(fe.placement.reserve(Attempt(Request("lead", prefix, SamplingParams(max_tokens=4), 0), "l.0"),
+                                                  set()))
     assert m.name == "a" and len(keys) == 2
-    fe.decode[0].report = reports["a"] = _report(running=1, reserved=0, free=100)  # `a` now has the fewer pages free
+    fe.decode[0].report = reports["a"] = _report(running=2, reserved=0, free=100)  # far fewer pages free than `b`
     sibling = Attempt(Request("sib", prefix + (9,) * 50, SamplingParams(max_tokens=4), 0), "sib.0")
     m, keys, _ = asyncio.run(fe.placement.reserve(sibling, set()))
-    assert m.name == "a" and asked == ["a", "a"] and len(keys) == 2
+    assert m.name == "a" and asked == ["a", "a"] and len(keys) == 2  # within its slack: 2 of 8 requests beyond `b`
+    fe.decode[0].report = reports["a"] = _report(running=3, reserved=0, free=100)  # 3 beyond: balance wins
+    m, _, _ = asyncio.run(fe.placement.reserve(Attempt(Request("s2", prefix, SamplingParams(max_tokens=4), 0), "s2.0"), set()))
+    assert m.name == "b"
     other = Attempt(Request("o", tuple(range(9, 600)), SamplingParams(max_tokens=4), 0), "o.0")
+    fe.decode[0].report = reports["a"] = _report(running=0, reserved=0, free=100)
     m, _, _ = asyncio.run(fe.placement.reserve(other, set()))
     assert m.name == "b" and asked[-1] == "b"
 

@@ -201,6 +201,31 @@ def test_integrity_check_knows_shared_pages(tiny_model):
         w.check_integrity()
 
 
-def test_sharing_and_keeping_finished_prompts_do_not_combine_yet():
-    with pytest.raises(ValueError, match="do not combine"):
-        TierConfig(retain_bytes=2**20, share_prefixes=1)
+def test_kept_prompts_and_shared_pages_combine(tiny_model):
+    """With `--retain-bytes` too, a finishing sharer keeps its prompt pages: a page others still hold is copied into
+    a host block of the kept entry, the last holder's become the entry's. Follow-up turns take the kept entries over
+    (one of them then shares the first pages with the other at its fill) and decode what whole layouts give."""
+    prompts, lengths = _plan(tiny_model)
+    w = _worker(tiny_model, 2, retain_bytes=16 * 2**20)
+    out, _ = _run(w, prompts, lengths)
+    ret = w.store.retention
+    assert {k.owner for k in ret.kept.values()} == {"kept:b", "kept:cs", "kept:d"}  # cs's replaced a's (same pages)
+    assert ret.count["copied_pages"] >= 2 * 2  # a and d left while others held the shared pages
+    assert w.store.stats()["shared_pages_now"] == 0 and w.store.host_bytes_used() == ret.host_blocks * w.store.geo.host_block_bytes
+    vocab = tiny_model.cfg.vocab_size
+    follow = {"b2": prompts["b"] + out["b"][:-1] + _ids(50, 8, vocab), "d2": prompts["d"] + out["d"][:-1] + _ids(20, 9, vocab)}
+    at_fill = w.store.stats()["share_shared_at_fill"]
+    drv = Driver(w)
+    for rid, p in follow.items():
+        drv.reserve(rid, p, 16)
+    assert drv.held == {"b2": 3 * PAGE, "d2": 4 * PAGE}  # their kept prompts, left out of the handoffs
+    drv.arrive()
+    got = drv.finish()
+    ref = Driver(_worker(tiny_model, 0))
+    for rid, p in follow.items():
+        ref.reserve(rid, p, 16)
+    ref.arrive()
+    assert got == ref.finish()
+    st = w.store.stats()
+    assert st["kept_reused"] == 2 and st["share_shared_at_fill"] - at_fill == 2  # d2 shared b2's first two pages at its fill
+    assert st["pages_free"] == st["pages_total"] and st["shared_pages_now"] == 0
