@@ -272,5 +272,5 @@ class Geometry:
             "hot_buffer_slots": self.lru if self.offload else 0, "reserved_slots": self.reserved,
             "host_blocks": self.num_host_blocks, "host_block_bytes": self.host_block_bytes,
             "device_bytes": self.device_bytes(self.num_pages), "host_bytes": self.num_host_blocks * self.host_block_bytes,
-            "scratch_bytes": (self.arena_pages - self.num_pages) * self.page_bytes,
+            "scratch_bytes": (self.arena_pages - self.num_pages) * self.page_bytes, "share_map_blocks": self.share_maps,
         }

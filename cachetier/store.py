@@ -414,6 +414,9 @@ class TieredStore(KVStore):
         if skipped != r.held_tokens and (r.held is not None or skipped > r.held_tokens):  # shared pages: may be sent
             raise ValueError(f"the layout of {request_id} leaves out the entries of its first {skipped_tokens(layout)} "
                              f"tokens, but this worker keeps {r.held_tokens} for it")
+        if r.shared * self.geo.block_tokens > layout.num_tokens:
+            raise ValueError(f"the layout of {request_id} has {layout.num_tokens} tokens, fewer than the "
+                             f"{r.shared * self.geo.block_tokens} of the shared pages its reservation took")
         if self.sharing is not None:
             self._share_at_fill(r, layout.num_tokens)
         r.blocks_t = torch.from_numpy(r.blocks_np).to(self.device, non_blocking=True)

@@ -229,3 +229,19 @@ def test_kept_prompts_and_shared_pages_combine(tiny_model):
     st = w.store.stats()
     assert st["kept_reused"] == 2 and st["share_shared_at_fill"] - at_fill == 2  # d2 shared b2's first two pages at its fill
     assert st["pages_free"] == st["pages_total"] and st["shared_pages_now"] == 0
+
+
+def test_a_layout_shorter_than_the_pages_it_shares_is_refused(tiny_model):
+    prompts, lengths = _plan(tiny_model)
+    w = _worker(tiny_model, 2)
+    drv = Driver(w)
+    drv.reserve("a", prompts["a"], lengths["a"])
+    drv.arrive()
+    drv.step()
+    assert w.reserve("x", 400, prefix_keys=page_keys(prompts["a"], PAGE)) and w.store.held_tokens("x") == 2 * PAGE
+    _, short = tiny_model.prefill(prompts["a"][:200], last_only=True)
+    with pytest.raises(ValueError, match="fewer than the 256 of the shared pages"):
+        w.store.fill("x", short)
+    assert w.abort("x")
+    w.check_integrity()
+    assert w.store.sharing.pages[page_keys(prompts["a"], PAGE)[0]].holders == {"a"}
