@@ -15,6 +15,10 @@ request's first ones, the prefill side leaves those pages out of the handoff (`c
 and `fill` puts them back from here (`with_prefix`). Each kept entry serves one follow-up: the one it goes to
 owns its blocks from then on.
 
+With shared prefixes (`cachetier.sharing`) a finishing request's shared pages are kept too: one it held last gives
+its host block to the kept entry, one that running requests still hold is copied into a block of the entry's own
+(`TieredStore._keep_shared`).
+
 Budget (`TierConfig.retain_bytes`): host blocks plus copied pages; least recently kept first out. Kept entries
 are also the first to go when an admission needs host blocks, and `capacity` counts their blocks as free. Plain
 bookkeeping, no device work: the store moves the bytes.
