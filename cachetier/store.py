@@ -703,10 +703,9 @@ class TieredStore(KVStore):
                     self.host_alloc.free(old.owner, old.host_blocks)
             self.host_alloc.free(request_id, rest)
         if copies:  # step thread: nothing frees the shared blocks these read until it returns
-            e4 = self.geo.e4
-            src, dst = (torch.tensor([c[i] for c in copies], dtype=torch.long) for i in (0, 1))
-            ar = torch.arange(e4)
-            kv = self.hot.host.kv
+            e4, kv = self.geo.e4, self.hot.host.kv
+            src, dst = (torch.tensor([c[i] for c in copies], dtype=torch.long, device=kv.device) for i in (0, 1))
+            ar = torch.arange(e4, device=kv.device)
             kv[:, (dst[:, None] * e4 + ar).flatten()] = kv[:, (src[:, None] * e4 + ar).flatten()]
 
     def _keep_shared(self, r: Resident, kept: Kept) -> tuple[Kept | None, list[tuple[int, int]]]:
