@@ -106,6 +106,21 @@ def local_ray(tiny_dir) -> None:
                  runtime_env={"env_vars": {"HISPARSE_CACHE": str(tiny_dir.parent.parent)}})
 
 
+def pd_service(loop, tiny_dir, tier, prefix: str, num_decode: int = 2):
+    """A module's PD split on the shared Ray instance (a generator for a module fixture): the built-in model, eager
+    steps, one prefill actor and `num_decode` decode actors placed anywhere over `tier`; stopped when the module ends."""
+    from cluster.service import Service
+    from core.configs import ClusterConfig, PrefillConfig, ServeConfig
+
+    local_ray(tiny_dir)
+    cfg = ServeConfig(step=EAGER, model="tiny", tier=tier, prefill=PrefillConfig(max_batch_tokens=256),
+                      cluster=ClusterConfig(num_prefill=1, num_decode=num_decode, placement="any", max_restarts=1))
+    svc = Service(cfg, prefix=prefix)
+    run(loop, svc.start())
+    yield svc
+    run(loop, svc.stop(shutdown_ray=False))
+
+
 def start_gateway(cfg, tiny_dir):
     """The gateway under uvicorn on a background thread; the actors in this process's (shared) Ray instance."""
     from types import SimpleNamespace

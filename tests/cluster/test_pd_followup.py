@@ -9,12 +9,11 @@ import time
 
 import pytest
 import ray
-from serving_helpers import EAGER, local_ray, run
+from serving_helpers import EAGER, pd_service, run
 
 from cachetier.layout import pack_layout, without_prefix
 from cluster.inprocess import InProcessEngine
-from cluster.service import Service
-from core.configs import ClusterConfig, PrefillConfig, ServeConfig, TierConfig
+from core.configs import TierConfig
 from core.request import Request
 from core.types import SamplingParams
 
@@ -27,13 +26,7 @@ TURNS, USER, MAX_TOKENS, PAGE = 3, 300, 20, 256
 
 @pytest.fixture(scope="module")
 def service(loop, tiny_dir):
-    local_ray(tiny_dir)
-    cfg = ServeConfig(step=EAGER, model="tiny", tier=TIER, prefill=PrefillConfig(max_batch_tokens=256),
-                      cluster=ClusterConfig(num_prefill=1, num_decode=2, placement="any", max_restarts=1))
-    svc = Service(cfg, prefix="pdturn")
-    run(loop, svc.start())
-    yield svc
-    run(loop, svc.stop(shutdown_ray=False))
+    yield from pd_service(loop, tiny_dir, TIER, "pdturn")
 
 
 def _handoff_bytes(service) -> dict[str, int]:

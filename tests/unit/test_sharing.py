@@ -79,18 +79,21 @@ def _plan(model):
     }, {"a": 12, "b": 40, "cs": 40, "d": 30}
 
 
-def _run(worker, prompts, lengths, stats_at: list | None = None):
+def _start(worker, prompts, lengths) -> Driver:
     """a and b reserve together (b shares at its fill), then cs and d reserve with a filled a holding the pages (they
-    share at reservation, their handoffs leave the pages out); a finishes first."""
+    share at reservation, their handoffs leave the pages out); each group decodes one step."""
     drv = Driver(worker)
-    for rid in ("a", "b"):
-        drv.reserve(rid, prompts[rid], lengths[rid])
-    drv.arrive()
-    drv.step()
-    for rid in ("cs", "d"):
-        drv.reserve(rid, prompts[rid], lengths[rid])
-    drv.arrive()
-    drv.step()
+    for group in (("a", "b"), ("cs", "d")):
+        for rid in group:
+            drv.reserve(rid, prompts[rid], lengths[rid])
+        drv.arrive()
+        drv.step()
+    return drv
+
+
+def _run(worker, prompts, lengths, stats_at: list | None = None):
+    """`_start`, then decode to the end (a finishes first)."""
+    drv = _start(worker, prompts, lengths)
     if stats_at is not None:
         stats_at.append(worker.store.stats())
     return drv.finish(), drv
@@ -129,15 +132,7 @@ def test_a_paused_sharer_leaves_the_shared_pages_and_resumes_the_same(tiny_model
     prompts, lengths = _plan(tiny_model)
     ref, _ = _run(_worker(tiny_model, 0), prompts, lengths)
     w = _worker(tiny_model, 2, reserve="estimate", output_estimate_tokens=8, resident=True)
-    drv = Driver(w)
-    for rid in ("a", "b"):
-        drv.reserve(rid, prompts[rid], lengths[rid])
-    drv.arrive()
-    drv.step()
-    for rid in ("cs", "d"):
-        drv.reserve(rid, prompts[rid], lengths[rid])
-    drv.arrive()
-    drv.step()
+    drv = _start(w, prompts, lengths)
     store = w.store
     shared_pages = {p.page for p in store.sharing.pages.values()}
     free = store.pages.num_free
