@@ -78,17 +78,13 @@ class Sharing:
         in use, a map block for each must be free): -> the pages, the blocks addressing their entries in the
         holder's entry map (without an entry map, the pages themselves)."""
         pages = [self.pages[k] for k in keys]
-        if not mapped:
-            for p in pages:
-                p.holders.add(holder)
-            self.count["shared_at_fill" if at_fill else "shared_pages"] += len(pages)
-            return pages, [p.page for p in pages]
-        if len(pages) > len(self._free_maps):
+        if mapped and len(pages) > len(self._free_maps):
             raise RuntimeError(f"{len(pages)} map blocks asked for, {len(self._free_maps)} free")
-        maps = [heapq.heappop(self._free_maps) for _ in pages]
+        maps = [heapq.heappop(self._free_maps) for _ in pages] if mapped else [p.page for p in pages]
         for p, m in zip(pages, maps):
             p.holders.add(holder)
-            self.map_owner[m] = holder
+            if mapped:
+                self.map_owner[m] = holder
         self.count["shared_at_fill" if at_fill else "shared_pages"] += len(pages)
         return pages, maps
 

@@ -712,32 +712,29 @@ class TieredStore(KVStore):
         """A finishing request's kept entry whose first pages are shared (lock held): a page it was the last to hold
         gives its host block to the entry; one others still hold is copied into a free host block (the copy is made
         once the lock is released: (from, to) blocks). As many pages are kept as there are blocks for."""
-        hosts, copies = [], []
-        free = self.host_alloc.num_free
-        m = kept.num_pages
-        for i in range(m):
+        hosts: list[int | None] = []  # None: a copy into a new block
+        copies, free = 0, self.host_alloc.num_free
+        for i in range(kept.num_pages):
             if i >= r.shared:
                 hosts.append(r.host_blocks[i])
-                continue
-            p = self.sharing.pages[r.prefix_keys[i]]
-            if p.holders == {r.request_id}:
-                hosts.append(p.host_block)
-            elif len(copies) < free:
-                copies.append((p.host_block, None))
+            elif self.sharing.pages[r.prefix_keys[i]].holders == {r.request_id}:
+                hosts.append(self.sharing.pages[r.prefix_keys[i]].host_block)
+            elif copies < free:
                 hosts.append(None)
+                copies += 1
             else:
-                m = i
                 break
+        m = len(hosts)
         if not m:
             return None, []
-        new = iter(self.host_alloc.allocate(kept.owner, sum(1 for h in hosts[:m] if h is None)))
+        new = iter(self.host_alloc.allocate(kept.owner, copies))
         pairs = []
-        for i, h in enumerate(hosts[:m]):
+        for i, h in enumerate(hosts):
             if h is None:
                 hosts[i] = next(new)
                 pairs.append((self.sharing.pages[r.prefix_keys[i]].host_block, hosts[i]))
         self.retention.count["copied_pages"] += len(pairs)
-        return Kept(kept.owner, kept.keys[:m], hosts[:m], kept.pages[:m], kept.nbytes * m // kept.num_pages), pairs
+        return Kept(kept.owner, kept.keys[:m], hosts, kept.pages[:m], kept.nbytes * m // kept.num_pages), pairs
 
     def _to_keep(self, r: Resident | None) -> Kept | None:
         """What of a finishing request is kept (step thread: copies its prompt pages' device contents to the host);
