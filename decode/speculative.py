@@ -25,6 +25,7 @@ and the next drafts.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from typing import Protocol
@@ -138,12 +139,17 @@ class DraftPolicy:
     made none), once their interval has passed: `explore_every` steps at first, doubling each time one is
     re-measured and is still not chosen after (up to `max_interval`), back to `explore_every` once it is chosen;
     the plain step every `max_interval` steps (`_interval`). So a choice follows a change of load or text, while a
-    count that keeps losing costs less and less, and one that cannot pay is never run again. With `adaptive` off
-    the policy always drafts `max_tokens`."""
+    count that keeps losing costs less and less, and one that cannot pay is never run again. Whatever the interval,
+    a re-measurement waits until the time it is expected to lose (`explore_loss`: its steps' cost less the time the
+    choice would take for the tokens they keep) is at most `explore_budget` of the choice's time over the steps
+    since the last one: past a bucket's first probes, re-measuring never costs served tokens/s more than that share
+    (1% by default). With `adaptive` off the policy always drafts `max_tokens`."""
 
     def __init__(self, max_tokens: int, adaptive: bool = True, probe: int = 3, explore_every: int = 50,
-                 decay: float = 0.9, counts: list[int] | None = None, window: int = 7, max_interval: int = 3200) -> None:
+                 decay: float = 0.9, counts: list[int] | None = None, window: int = 7, max_interval: int = 3200,
+                 explore_budget: float = 0.01) -> None:
         self.max_tokens, self.adaptive = max_tokens, adaptive
+        self.explore_budget = explore_budget
         self.counts = sorted(set(counts if counts is not None else range(max_tokens + 1)), reverse=True)
         """The draft counts it chooses among (a compiled CPU step holds one graph per count: `StepRunner.spec_counts`)."""
         self.probe, self.explore_every, self.decay = probe, explore_every, decay
@@ -193,7 +199,7 @@ class DraftPolicy:
                 n = self.best(bucket)
                 self.interval[(bucket, n)] = self.explore_every  # the choice: re-measured promptly once it loses
                 due = [c for c in self.could_pay(bucket) if c != n
-                       and self.steps - self.last_tried.get((bucket, c), 0) >= self._interval(bucket, c)]
+                       and self.steps - self.last_tried.get((bucket, c), 0) >= self._interval(bucket, c, n)]
                 if due:
                     n = min(due, key=lambda c: self.last_tried.get((bucket, c), 0))
                     key = (bucket, n)
@@ -203,11 +209,25 @@ class DraftPolicy:
         per[n] = per.get(n, 0) + 1
         return n
 
-    def _interval(self, bucket: int, n: int) -> int:
-        """Steps between re-measurements of count n while another is the choice. The plain step's only when the
-        choice speculates, and rarely: its time follows the speculative step's, whose time and acceptance are measured
-        all along (a drop in acceptance switches to plain without it), and a plain step restarts every MTP ring."""
-        return self.max_interval if n == 0 else self.interval.get((bucket, n), self.explore_every)
+    def _interval(self, bucket: int, n: int, choice: int) -> int:
+        """Steps between re-measurements of count n while `choice` is the choice: `interval` (the plain step's only
+        when the choice speculates, and rarely: its time follows the speculative step's, whose time and acceptance
+        are measured all along, a drop in acceptance switches to plain without it, and a plain step restarts every
+        MTP ring), and never fewer than keep the expected loss within `explore_budget` of the choice's time."""
+        steps = self.max_interval if n == 0 else self.interval.get((bucket, n), self.explore_every)
+        loss = self.explore_loss(bucket, n, choice)
+        if loss > 0:
+            steps = max(steps, math.ceil(loss / (self.explore_budget * self.cost[(bucket, choice)])))
+        return steps
+
+    def explore_loss(self, bucket: int, n: int, choice: int) -> float:
+        """Seconds a re-measurement of count n (`probe` steps) is expected to lose against the choice: its steps'
+        measured cost less the time the choice takes for the tokens they are expected to keep (the first step after
+        plain ones keeps one token: its rings were empty). Negative: it would gain."""
+        kept = self.probe * self.expected_tokens(n)
+        if choice == 0 and n > 0:
+            kept -= self.expected_tokens(n) - 1.0
+        return self.probe * self.cost[(bucket, n)] - kept * self.cost[(bucket, choice)] / self.expected_tokens(choice)
 
     def could_pay(self, bucket: int) -> list[int]:
         """The counts worth re-measuring: those whose step costs less than the plain step times the tokens it would

@@ -61,3 +61,25 @@ def test_a_count_that_starts_paying_is_chosen_again():
     _drive(p, 400, lambda n: 1.9 if n else 1.0, kept=0)
     later = _drive(p, 2000, lambda n: 1.9 if n else 1.0, kept=3)
     assert later[-500:].count(3) >= 480
+
+
+def test_re_measuring_a_losing_count_costs_at_most_the_explore_budget():
+    """N = 3 keeps 2 of its drafts for 3.1 plain steps' time: it loses, yet could pay were its third draft kept more
+    often, so it is re-measured. Past the bucket's first probes, the time those re-measurements lose against plain
+    steps (their cost less one plain step per token they kept) stays within `explore_budget` of the time elapsed, at
+    every point of the run, not only on average over a long one."""
+    p = DraftPolicy(3, counts=[0, 3], explore_every=20)
+    cost = {0: 1.0, 3: 3.1}
+    lost = elapsed = 0.0
+    probes = 2 * p.probe
+    prev = 0
+    for i in range(3000):
+        n = p.choose(1)
+        kept = 1 + min(n, 2) if n and prev else 1  # the first step after plain ones only drafts
+        prev = n
+        p.record(1, n, cost[n], [n] if n else None, [min(n, 2)] if n else None)
+        if i >= probes:
+            elapsed += cost[n]
+            lost += cost[n] - kept * cost[0]
+            assert lost <= p.explore_budget * elapsed + 1e-9, (i, lost, elapsed)
+    assert p.choices[1][3] > p.probe  # it was re-measured (could_pay holds), only rarely
