@@ -9,9 +9,10 @@ instead of reserving at the final length (`TierConfig.reserve`, `cachetier.admis
 (`TierConfig.share_prefixes`, `cachetier.sharing`).
 
 1. low load (`low_load`): decode step time at 1, 4 and 16 running requests with room to spare, tier off, tier on
-   as it was (every C4 read through the hot buffer) and tier on with residency, run by turns for `--repeats`
-   rounds through the compiled step (Inductor), medians and the ratios on / off (also paired round by round);
-   greedy tokens must be identical.
+   as it was (every C4 read through the hot buffer) and tier on with residency, beside a twin of the off worker
+   (its distance from off is the noise), the four stepped in lockstep (`bench.speculative.lockstep`: one step
+   each by turns) for `--repeats` rounds through the compiled step (Inductor); mean step time over all rounds, the
+   ratios on / off (also round by round); greedy tokens must be identical.
 2. full load (`full_load`): requests of `--full-context` tokens admitted under one budget until admission stops
    (`bench.tier.admit_until_full`, the store rebalancing between admissions as before each step), tier off, on,
    and on with residency: residency must give the room back, so the last two admit the same.
@@ -124,19 +125,22 @@ def swap_out(model, prompts, n: int, max_tokens: int, stops: tuple[int, int], bu
 
 
 LOW_LOAD_TIERS = {"off": {"offload": False}, "on": {"offload": True}, "on_resident": {"offload": True, "resident": True}}
+LOW_LOAD_WORKERS = {**LOW_LOAD_TIERS, "off_twin": LOW_LOAD_TIERS["off"]}
+"""The low-load run's workers: `off_twin` is a second, identical tier-off worker, how far it lands from off is
+the noise a ratio is read against."""
 
 
 def low_load(model, prompts: list[list[int]], batches: list[int], tokens: int, repeats: int, step, budget: int) -> dict:
     """Step time tier off / on / on with residency at each batch, with room to spare (see the module docstring)."""
     import statistics
 
-    from bench.speculative import drive, greedy_requests
+    from bench.speculative import greedy_requests, lockstep
     from cachetier.store import TieredStore
     from decode.worker import DecodeWorker
 
     cap = max(batches)
     workers = {}
-    for name, kw in LOW_LOAD_TIERS.items():
+    for name, kw in LOW_LOAD_WORKERS.items():
         progress(f"low load: building the {name} worker ({step.decode_mode} step"
                  + ("; compiling, minutes from an empty Inductor cache" if step.decode_mode == "compiled" else "") + ")")
         tier = TierConfig(device_budget_bytes=budget, host_pool_bytes=4 * budget, max_running=cap, **kw)
@@ -146,30 +150,34 @@ def low_load(model, prompts: list[list[int]], batches: list[int], tokens: int, r
            "device_budget_bytes": budget, "compiles": {n: w.stats()["step"].compiles for n, w in workers.items()},
            "by_batch": {}}
     identical = True
+    warmup = 2
     for batch in batches:
         reqs = greedy_requests(model, prompts, batch, tokens, f"l{batch}-")
         ms: dict[str, list[float]] = {name: [] for name in workers}
-        ref = None
+        totals = {name: [0.0, 0] for name in workers}
         for rep in range(repeats):
-            for name, w in workers.items():  # by turns: the three share whatever else the machine does
-                before = w.store.counter_totals()["misses"] if name == "on_resident" else 0
-                run = drive(w, reqs, warmup_steps=2)
-                ms[name].append(1e3 * run.seconds / max(1, run.steps - 2))
-                if name == "on_resident":
-                    misses = w.store.counter_totals()["misses"] - before
-                    kinds = dict(w.store.mode_steps)
-                ref = ref or run.tokens
-                identical &= run.tokens == ref
+            before = workers["on_resident"].store.counter_totals()["misses"]
+            runs = lockstep(workers, reqs, warmup)  # one step each by turns: drift between whole runs cancels
+            misses = workers["on_resident"].store.counter_totals()["misses"] - before
+            kinds = dict(workers["on_resident"].store.mode_steps)
+            for name, run in runs.items():
+                ms[name].append(1e3 * run.seconds / max(1, run.steps - warmup))
+                totals[name][0] += run.seconds
+                totals[name][1] += max(1, run.steps - warmup)
+                identical &= run.tokens == runs["off"].tokens
             progress(f"low load batch {batch} repeat {rep + 1}/{repeats}: "
                      + ", ".join(f"{k} {v[-1]:.2f} ms" for k, v in ms.items()))
-        med = {name: statistics.median(v) for name, v in ms.items()}
+        mean = {name: 1e3 * sec / n for name, (sec, n) in totals.items()}
+        twin = [a / b for a, b in zip(ms["off_twin"], ms["off"])]
         out["by_batch"][str(batch)] = {
-            **{f"step_ms_{name}": round(v, 3) for name, v in med.items()},
-            "ratio_on_off": round(med["on"] / med["off"], 3),
-            "ratio_on_resident_off": round(med["on_resident"] / med["off"], 3),
-            # the same ratios round by round (the workers ran back to back), their median: drift between rounds cancels
-            "paired_ratio_on_off": round(statistics.median(a / b for a, b in zip(ms["on"], ms["off"])), 3),
-            "paired_ratio_on_resident_off": round(statistics.median(a / b for a, b in zip(ms["on_resident"], ms["off"])), 3),
+            **{f"step_ms_{name}": round(v, 3) for name, v in mean.items()},
+            "ratio_on_off": round(mean["on"] / mean["off"], 3),
+            "ratio_on_resident_off": round(mean["on_resident"] / mean["off"], 3),
+            "ratio_off_twin_off": round(mean["off_twin"] / mean["off"], 3),
+            # how far an identical worker lands from off, round by round: the noise these ratios are read against
+            "noise": round(max(abs(1 - r) for r in twin), 3),
+            "ratio_on_resident_off_by_repeat": [round(a / b, 3) for a, b in zip(ms["on_resident"], ms["off"])],
+            "ratio_off_twin_off_by_repeat": [round(r, 3) for r in twin],
             "step_ms_all_repeats": {name: [round(x, 3) for x in v] for name, v in ms.items()},
             "on_resident_misses_last_repeat": misses,
         }

@@ -12,8 +12,10 @@ On the trained built-in model with its MTP head, over held-out prompts, greedy, 
    tokens draft from a partial ring), and the kept rate of each draft position;
 2. throughput: decode tokens/s with speculation off, N = 3 fixed and N = 3 adaptive at each batch, through the
    compiled step (`StepConfig(decode_mode="compiled")`; the first run compiles for minutes, later ones read
-   Inductor's on-disk cache), the three run by turns for `--repeats` rounds, medians reported with the ratio
-   on / off and the draft counts the adaptive policy chose;
+   Inductor's on-disk cache), beside a twin of the off worker, all four stepped in lockstep (one step each by
+   turns, `lockstep`) for `--repeats` rounds; served tokens/s over all rounds (the adaptive policy's probes
+   included), the ratio on / off, the noise (how far the twin lands from off, round by round) and the draft
+   counts the adaptive policy chose;
 3. miss rate: the hot buffer's misses per request-step and per generated token at LRU sizes k, 2k, 4k
    (k = index_topk), speculation off and at every N the hot-buffer rule allows
    (`cachetier.geometry.spec_lru_floor`: B >= (N + 1) k);
@@ -209,11 +211,49 @@ def _choices_since(before: dict[int, dict[int, int]], after: dict[int, dict[int,
     return out
 
 
+THROUGHPUT_WORKERS = (("off", 0, False), ("off_twin", 0, False), ("on_n3", 3, False), ("on_adaptive", 3, True))
+"""The throughput run's workers: (name, draft tokens, adaptive). `off_twin` is a second, identical plain worker:
+how far its tokens/s lands from off's is the noise a ratio is read against."""
+
+
+def lockstep(workers: dict, requests: list, warmup_steps: int) -> dict[str, Run]:
+    """Give every worker copies of `requests` and step them by turns, one step each in a round, the order rotated by
+    one every round (no worker steps twice in a row, and each takes every place in turn), until all finish: the
+    workers share whatever else the machine does step by step, so their ratio is not moved by drift between whole
+    runs. Each worker's time and tokens leave out its first `warmup_steps` steps."""
+    for w in workers.values():
+        for r in requests:
+            w.submit(dataclasses.replace(r, layout=r.layout.clone()))
+    names = list(workers)
+    tokens = {n: {r.request_id: [] for r in requests} for n in names}
+    steps, seconds, timed = ({n: 0 for n in names}, {n: 0.0 for n in names}, {n: 0 for n in names})
+    rnd = 0
+    while any(w.has_work() for w in workers.values()):
+        k = rnd % len(names)
+        for n in names[k:] + names[:k]:
+            w = workers[n]
+            if not w.has_work():
+                continue
+            t0 = time.perf_counter()
+            events = w.step()
+            dt = time.perf_counter() - t0
+            if steps[n] == 0 and len(w.running) + sum(1 for ev in events if ev.finish_reason) < len(requests):
+                raise SystemExit(f"only {len(w.running)} of {len(requests)} requests were admitted: raise --budget")
+            for ev in events:
+                tokens[n][ev.request_id].append(ev.token.token_id)
+            steps[n] += 1
+            if steps[n] > warmup_steps:
+                seconds[n] += dt
+                timed[n] += len(events)
+        rnd += 1
+    return {n: Run(tokens[n], [], steps[n], seconds[n], timed[n], {}, 0, 0) for n in names}
+
+
 def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int, repeats: int, warmup_steps: int,
                budget: int, step: StepConfig) -> dict:
     cap = max(batches)
     workers = {}
-    for name, n, adaptive in (("off", 0, False), ("on_n3", 3, False), ("on_adaptive", 3, True)):
+    for name, n, adaptive in THROUGHPUT_WORKERS:
         progress(f"throughput: building the {name} worker ({step.decode_mode} step"
                  + ("; compiling, minutes from an empty Inductor cache" if step.decode_mode == "compiled" else "") + ")")
         t0 = time.perf_counter()
@@ -230,30 +270,35 @@ def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int,
     for batch in batches:
         reqs = greedy_requests(model, prompts, batch, tokens, f"b{batch}-")
         rates: dict[str, list[float]] = {name: [] for name in workers}
+        totals = {name: [0, 0.0] for name in workers}
         steps: dict[str, list[int]] = {name: [] for name in workers}
         before = {b: dict(c) for b, c in workers["on_adaptive"].policy.choices.items()}
-        ref = None
         for rep in range(repeats):
-            for name, w in workers.items():  # by turns: the three share whatever else the machine does
-                run = drive(w, reqs, warmup_steps=warmup_steps)
+            runs = lockstep(workers, reqs, warmup_steps)
+            for name, run in runs.items():
                 rates[name].append(run.timed_tokens / run.seconds)
+                totals[name][0] += run.timed_tokens
+                totals[name][1] += run.seconds
                 steps[name].append(run.steps)
-                if ref is None:
-                    ref = run.tokens
-                elif run.tokens != ref:
+                if run.tokens != runs["off"].tokens:
                     identical = False
                     progress(f"  batch {batch} {name} repeat {rep + 1}: tokens differ from speculation off")
             progress(f"throughput batch {batch} repeat {rep + 1}/{repeats}: "
                      + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in rates.items()))
-        med = {name: statistics.median(v) for name, v in rates.items()}
-        noise = (max(rates["off"]) - min(rates["off"])) / med["off"]
+        # served tokens/s over every repeat (the adaptive policy's probes and re-measurements included)
+        served = {name: tok / sec for name, (tok, sec) in totals.items()}
+        # the noise: how far the twin of off lands from off, repeat by repeat, in the same rounds
+        twin = [a / b for a, b in zip(rates["off_twin"], rates["off"])]
+        noise = max(abs(1 - r) for r in twin)
         out["by_batch"][str(batch)] = {
-            **{f"tokens_per_s_{name}": round(v, 1) for name, v in med.items()},
-            "ratio_on_n3_off": round(med["on_n3"] / med["off"], 3),
-            "ratio_on_adaptive_off": round(med["on_adaptive"] / med["off"], 3),
-            # the spread of off's own repeats: how far two runs of the same worker differ on this machine
-            "off_spread": round(noise, 3),
-            "adaptive_within_noise_of_off": med["on_adaptive"] / med["off"] >= 1 - noise,
+            **{f"tokens_per_s_{name}": round(v, 1) for name, v in served.items()},
+            "ratio_on_n3_off": round(served["on_n3"] / served["off"], 3),
+            "ratio_on_adaptive_off": round(served["on_adaptive"] / served["off"], 3),
+            "ratio_off_twin_off": round(served["off_twin"] / served["off"], 3),
+            "noise": round(noise, 3),
+            "adaptive_within_noise_of_off": served["on_adaptive"] / served["off"] >= 1 - noise,
+            "ratio_on_adaptive_off_by_repeat": [round(a / b, 3) for a, b in zip(rates["on_adaptive"], rates["off"])],
+            "ratio_off_twin_off_by_repeat": [round(r, 3) for r in twin],
             "steps_per_run": {name: statistics.median(v) for name, v in steps.items()},
             "tokens_per_s_all_repeats": {name: [round(x, 1) for x in v] for name, v in rates.items()},
             "adaptive_draft_choices": _choices_since(before, workers["on_adaptive"].policy.choices),
@@ -262,7 +307,7 @@ def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int,
         st = w.stats()
         # steps that left the compiled step for the eager one (a bucket it did not cover): 0 means every timed step was compiled
         out["workers"][name]["eager_steps"] = st["step"].eager_steps
-        if name != "off":
+        if w.spec_tokens:
             out["workers"][name]["acceptance_length"] = st["speculation"]["acceptance_length"]
         w.close()
     out["identical_to_off"] = identical
@@ -323,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny sizes and the eager step: a smoke run")
     ap.add_argument("--batches", default=None, help="throughput batches (default 1,4,16; quick 1,2)")
     ap.add_argument("--tokens", type=int, default=None, help="tokens per request in the throughput runs (default 128)")
-    ap.add_argument("--repeats", type=int, default=None, help="rounds of off / on / adaptive per batch (default 3)")
+    ap.add_argument("--repeats", type=int, default=None, help="lockstep rounds of the four workers per batch (default 3)")
     ap.add_argument("--warmup-steps", type=int, default=None, help="steps of each throughput run left out of its time")
     ap.add_argument("--prompt-tokens", type=int, default=None, help="prompt length of the acceptance and throughput runs")
     ap.add_argument("--accept-prompts", type=int, default=None)

@@ -165,6 +165,11 @@ class DraftPolicy:
         self.interval: dict[tuple[int, int], int] = {}
         """Steps between re-measurements of a count that is not the choice, per (bucket, count)."""
         self._run: dict[int, tuple[int, int]] = {}
+        self._tally: dict[int, list] = {}
+        """Per bucket, the re-measurement under way as it runs: [its count, the choice it stands in for, seconds,
+        tokens a row kept, steps recorded]."""
+        self.run_loss: dict[tuple[int, int], float] = {}
+        """Per (bucket, count): what its last re-measurement actually lost against the choice (seconds)."""
         """Per bucket, a re-measurement under way: (its count, steps left)."""
         self.steps = 0
         self.choices: dict[int, dict[int, int]] = {}
@@ -195,13 +200,16 @@ class DraftPolicy:
             unmeasured = [n for n in self.counts if self.tries.get((bucket, n), 0) < self.probe]
             if unmeasured:
                 n = unmeasured[-1]  # the plain step first: a fresh request's MTP ring is empty anyway
+                if n and not self.tries.get((bucket, n)) and (bucket, 0) in self.cost:  # its probes: tallied as a re-measurement
+                    self._tally[bucket] = [n, 0, 0.0, 0.0, 0]
             else:
                 n = self.best(bucket)
                 self.interval[(bucket, n)] = self.explore_every  # the choice: re-measured promptly once it loses
                 due = [c for c in self.could_pay(bucket) if c != n
                        and self.steps - self.last_tried.get((bucket, c), 0) >= self._interval(bucket, c, n)]
                 if due:
-                    n = min(due, key=lambda c: self.last_tried.get((bucket, c), 0))
+                    choice, n = n, min(due, key=lambda c: self.last_tried.get((bucket, c), 0))
+                    self._tally[bucket] = [n, choice, 0.0, 0.0, 0]
                     key = (bucket, n)
                     self.interval[key] = min(2 * self.interval.get(key, self.explore_every), self.max_interval)
                     self._run[bucket] = (n, self.probe - 1)
@@ -213,9 +221,11 @@ class DraftPolicy:
         """Steps between re-measurements of count n while `choice` is the choice: `interval` (the plain step's only
         when the choice speculates, and rarely: its time follows the speculative step's, whose time and acceptance
         are measured all along, a drop in acceptance switches to plain without it, and a plain step restarts every
-        MTP ring), and never fewer than keep the expected loss within `explore_budget` of the choice's time."""
+        MTP ring), and never fewer than keep the loss within `explore_budget` of the choice's time: the expected
+        loss, or what the count's last re-measurement here actually lost, when that was more (its first step after
+        plain ones may run cold, which the median cost does not show)."""
         steps = self.max_interval if n == 0 else self.interval.get((bucket, n), self.explore_every)
-        loss = self.explore_loss(bucket, n, choice)
+        loss = max(self.explore_loss(bucket, n, choice), self.run_loss.get((bucket, n), 0.0))
         if loss > 0:
             steps = max(steps, math.ceil(loss / (self.explore_budget * self.cost[(bucket, choice)])))
         return steps
@@ -238,9 +248,19 @@ class DraftPolicy:
                 if n == 0 or plain is None or self.cost[(bucket, n)] < self.expected_tokens(n, optimism=0.5) * plain]
 
     def record(self, bucket: int, n: int, seconds: float, verified: list[int] | None = None,
-               accepted: list[int] | None = None) -> None:
-        """A step with `n` drafts took `seconds`; per request, how many drafts it verified and kept."""
+               accepted: list[int] | None = None, kept: float | None = None) -> None:
+        """A step with `n` drafts took `seconds`; per request, how many drafts it verified (0 where its acceptance
+        is not to be learnt from) and kept; `kept`: the tokens a row that verified drafts kept, on average."""
         key = (bucket, n)
+        tally = self._tally.get(bucket)
+        if tally is not None and tally[0] == n:
+            tally[2] += seconds
+            tally[3] += kept if kept is not None else 1.0
+            tally[4] += 1
+            if tally[4] == self.probe:
+                del self._tally[bucket]
+                choice = tally[1]
+                self.run_loss[key] = tally[2] - tally[3] * self.cost[(bucket, choice)] / self.expected_tokens(choice)
         times = self.samples.setdefault(key, deque(maxlen=self.window))
         times.append(seconds)
         self.cost[key] = statistics.median(times)

@@ -640,7 +640,11 @@ class DecodeWorker:
         # acceptance is learnt from rows whose MTP ring was full (a ring restarted a window ago drafts worse than
         # the steady state the choice is about); the step time from every step
         learnt = [v if h >= self.model.cfg.sliding_window else 0 for v, h in zip(verify, history)]
-        self.policy.record(bucket, n, time.perf_counter() - t0, learnt, kept_counts)
+        # what the served rows got: those that had drafts (a stale row's first step only drafts, a transition the
+        # policy accounts for apart)
+        drafted = [k for k, d in zip(kept_counts, verify) if d]
+        self.policy.record(bucket, n, time.perf_counter() - t0, learnt, kept_counts,
+                           kept=1 + sum(drafted) / len(drafted) if drafted else None)
         drawn = sampling.tokens([t for row in rows for t in row[:span]]) if sampling is not None else None
         ids, index, tokens, reasons = [], [], [], {}
         sampled = [] if drawn is not None else None

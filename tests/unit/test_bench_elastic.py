@@ -43,6 +43,8 @@ def test_quick_run():
     assert low["identical_tokens"] is True and set(low["by_batch"]) == {"1", "2"}
     assert low["on_resident_view_kinds"].get("resident", 0) > 0
     assert all(row["on_resident_misses_last_repeat"] == 0 for row in low["by_batch"].values())
+    for row in low["by_batch"].values():  # the noise: the twin of off's largest distance from it, round by round
+        assert abs(row["noise"] - max(abs(1 - r) for r in row["ratio_off_twin_off_by_repeat"])) < 2e-3
     full = result["full_load"]["by_tier"]
     assert full["on_resident"]["requests"] == full["on"]["requests"] > full["off"]["requests"]
     assert full["on_resident"]["promotions"] > 0 and full["on_resident"]["resident_requests"] == 0

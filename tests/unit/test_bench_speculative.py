@@ -55,12 +55,16 @@ def test_acceptance_agrees_with_the_worker(result):
 def test_throughput_rows(result):
     th = result["throughput"]
     assert set(th["by_batch"]) == {"1", "2"}
-    assert set(th["workers"]) == {"off", "on_n3", "on_adaptive"}
+    assert set(th["workers"]) == {"off", "off_twin", "on_n3", "on_adaptive"}
     assert all(w["eager_steps"] == 0 for w in th["workers"].values())
     for row in th["by_batch"].values():
-        for key in ("off", "on_n3", "on_adaptive"):
+        for key in ("off", "off_twin", "on_n3", "on_adaptive"):
             assert row[f"tokens_per_s_{key}"] > 0
         assert row["ratio_on_n3_off"] == pytest.approx(row["tokens_per_s_on_n3"] / row["tokens_per_s_off"], rel=0.01)
+        # the noise is the twin's largest distance from off over the lockstep rounds, and the verdict reads it
+        assert row["noise"] == pytest.approx(max(abs(1 - r) for r in row["ratio_off_twin_off_by_repeat"]), abs=2e-3)
+        assert row["adaptive_within_noise_of_off"] == (row["ratio_on_adaptive_off"] >= 1 - row["noise"] - 1e-3) or \
+            abs(row["ratio_on_adaptive_off"] - (1 - row["noise"])) < 2e-3
         # the adaptive policy probed its candidate counts, each of them at most N = 3
         assert row["adaptive_draft_choices"] and all(0 <= int(n) <= 3 for per in row["adaptive_draft_choices"].values() for n in per)
 

@@ -50,7 +50,9 @@ def test_a_losing_count_is_re_measured_ever_less_often_in_runs():
     assert len(starts) >= 4
     assert all(chosen[s : s + p.probe] == [3] * p.probe for s in starts)
     gaps = [b - a for a, b in zip(starts, starts[1:])]
-    assert all(g2 > g1 for g1, g2 in zip(gaps, gaps[1:])), gaps  # the interval doubles while it loses
+    # the interval doubles while it loses (or holds, within a run's length, where the explore budget spaces them
+    # further already)
+    assert all(g2 >= g1 - p.probe for g1, g2 in zip(gaps, gaps[1:])) and gaps[-1] > gaps[0], gaps
     assert chosen.count(3) < 40
 
 
@@ -83,3 +85,25 @@ def test_re_measuring_a_losing_count_costs_at_most_the_explore_budget():
             lost += cost[n] - kept * cost[0]
             assert lost <= p.explore_budget * elapsed + 1e-9, (i, lost, elapsed)
     assert p.choices[1][3] > p.probe  # it was re-measured (could_pay holds), only rarely
+
+
+def test_a_re_measurement_that_runs_cold_is_spaced_by_what_it_lost():
+    """N = 3 keeps one draft for 2.1 plain steps' time (a small loss, and it could pay were more drafts kept), and the
+    first step of every re-measurement of it runs cold (ten plain steps' time, which the median cost does not show):
+    from the second re-measurement on (the first told the policy what one loses), each loses at most the explore
+    budget of the time since the one before."""
+    p = DraftPolicy(3, counts=[0, 3], explore_every=20)
+    prev, steps = 0, []
+    for _ in range(6000):
+        n = p.choose(1)
+        seconds = (10.0 if not prev else 2.1) if n else 1.0
+        kept = 1 + min(n, 1) if n and prev else 1
+        prev = n
+        p.record(1, n, seconds, [n] if n else None, [min(n, 1)] if n else None, kept=kept if n and kept > 1 else None)
+        steps.append((n, seconds, kept))
+    starts = [i for i in range(2 * p.probe + 1, len(steps)) if steps[i][0] and not steps[i - 1][0]]
+    assert len(starts) >= 3
+    for a, b in zip(starts[1:], starts[2:]):  # the time from one re-measurement to the next, and what the next lost
+        elapsed = sum(sec for _, sec, _ in steps[a + p.probe : b + p.probe])
+        lost = sum(sec - kept for _, sec, kept in steps[b : b + p.probe])
+        assert lost <= p.explore_budget * elapsed, (a, b, lost, elapsed)
