@@ -13,7 +13,7 @@ On the trained built-in model with its MTP head, over held-out prompts, greedy, 
 2. throughput: decode tokens/s with speculation off, N = 3 fixed and N = 3 adaptive at each batch, through the
    compiled step (`StepConfig(decode_mode="compiled")`; the first run compiles for minutes, later ones read
    Inductor's on-disk cache), beside a twin of the off worker, all four stepped in lockstep (one step each by
-   turns, `lockstep`) for `--repeats` rounds; served tokens/s over all rounds (the adaptive policy's probes
+   turns, `lockstep`) for `--repeats` rounds, each serving `POOL` x batch requests with batch of them in flight; served tokens/s over all rounds (the adaptive policy's probes
    included), the ratio on / off, the noise (how far the twin lands from off, round by round) and the draft
    counts the adaptive policy chose;
 3. miss rate: the hot buffer's misses per request-step and per generated token at LRU sizes k, 2k, 4k
@@ -216,15 +216,30 @@ THROUGHPUT_WORKERS = (("off", 0, False), ("off_twin", 0, False), ("on_n3", 3, Fa
 how far its tokens/s lands from off's is the noise a ratio is read against."""
 
 
-def lockstep(workers: dict, requests: list, warmup_steps: int) -> dict[str, Run]:
+POOL = 4
+"""The throughput run at batch B serves POOL x B requests, B at a time (the next one starts as one finishes): a
+steady concurrency of B. A batch that only drains would end in a tail of a few rows whenever speculation makes the
+requests finish at different steps, a cost no server with a queue pays."""
+
+
+def lockstep(workers: dict, requests: list, warmup_steps: int, in_flight: int | None = None) -> dict[str, Run]:
     """Give every worker copies of `requests` and step them by turns, one step each in a round, the order rotated by
     one every round (no worker steps twice in a row, and each takes every place in turn), until all finish: the
     workers share whatever else the machine does step by step, so their ratio is not moved by drift between whole
-    runs. Each worker's time and tokens leave out its first `warmup_steps` steps."""
-    for w in workers.values():
-        for r in requests:
-            w.submit(dataclasses.replace(r, layout=r.layout.clone()))
+    runs. `in_flight`: each worker is given that many at first and the next one as each finishes, so it serves a
+    steady concurrency rather than a batch that drains (None: all at once). Each worker's time and tokens leave out
+    its first `warmup_steps` steps."""
     names = list(workers)
+    first = len(requests) if in_flight is None else min(in_flight, len(requests))
+    given = {n: 0 for n in names}
+
+    def give(n: str, count: int) -> None:
+        for r in requests[given[n] : given[n] + count]:
+            workers[n].submit(dataclasses.replace(r, layout=r.layout.clone()))
+        given[n] = min(len(requests), given[n] + count)
+
+    for n in names:
+        give(n, first)
     tokens = {n: {r.request_id: [] for r in requests} for n in names}
     steps, seconds, timed = ({n: 0 for n in names}, {n: 0.0 for n in names}, {n: 0 for n in names})
     rnd = 0
@@ -237,14 +252,17 @@ def lockstep(workers: dict, requests: list, warmup_steps: int) -> dict[str, Run]
             t0 = time.perf_counter()
             events = w.step()
             dt = time.perf_counter() - t0
-            if steps[n] == 0 and len(w.running) + sum(1 for ev in events if ev.finish_reason) < len(requests):
-                raise SystemExit(f"only {len(w.running)} of {len(requests)} requests were admitted: raise --budget")
+            finished = sum(1 for ev in events if ev.finish_reason)
+            if steps[n] == 0 and len(w.running) + finished < first:
+                raise SystemExit(f"only {len(w.running)} of {first} requests were admitted: raise --budget")
             for ev in events:
                 tokens[n][ev.request_id].append(ev.token.token_id)
             steps[n] += 1
             if steps[n] > warmup_steps:
                 seconds[n] += dt
                 timed[n] += len(events)
+            if finished:
+                give(n, finished)
         rnd += 1
     return {n: Run(tokens[n], [], steps[n], seconds[n], timed[n], {}, 0, 0) for n in names}
 
@@ -262,19 +280,20 @@ def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int,
         progress(f"  ready in {time.perf_counter() - t0:.1f} s ({st.compiles} compiles, {st.compile_s} s compiling)")
     out = {"step": step.decode_mode, "compile_backend": step.compile_backend if step.decode_mode == "compiled" else None,
            "tokens_per_request": tokens, "repeats": repeats, "warmup_steps_left_out": warmup_steps,
+           "requests_per_batch_run": f"{POOL} x batch, batch at a time",
            "prompt_tokens": len(prompts[0]), "workers": {}, "by_batch": {}}
     for name, w in workers.items():
         st = w.stats()["step"]
         out["workers"][name] = {"mode": st.mode, "compiles": st.compiles, "compile_s": st.compile_s}
     identical = True
     for batch in batches:
-        reqs = greedy_requests(model, prompts, batch, tokens, f"b{batch}-")
+        reqs = greedy_requests(model, prompts, POOL * batch, tokens, f"b{batch}-")
         rates: dict[str, list[float]] = {name: [] for name in workers}
         totals = {name: [0, 0.0] for name in workers}
         steps: dict[str, list[int]] = {name: [] for name in workers}
         before = {b: dict(c) for b, c in workers["on_adaptive"].policy.choices.items()}
         for rep in range(repeats):
-            runs = lockstep(workers, reqs, warmup_steps)
+            runs = lockstep(workers, reqs, warmup_steps, in_flight=batch)
             for name, run in runs.items():
                 rates[name].append(run.timed_tokens / run.seconds)
                 totals[name][0] += run.timed_tokens

@@ -28,6 +28,9 @@ class Resident:
     """`host_blocks` on the host, made by `fill`."""
     mtp_floor: int = 0
     """The first position whose MTP entry this request's ring holds (speculation; set when it is filled)."""
+    mtp_start: int = 0
+    """Its first decode position (where its ring started at admission): a floor above it means plain steps ran
+    since and the ring restarted (`TieredStore.restart_mtp`)."""
     filled: bool = False
     """False while the pages are only reserved (the layout has not arrived yet)."""
     c4_pages: list[int] = field(default_factory=list)

@@ -427,7 +427,7 @@ class TieredStore(KVStore):
             r.held = None
         self._write_layout(r, layout)
         r.num_tokens = layout.num_tokens
-        r.mtp_floor = layout.num_tokens  # its MTP ring starts empty: the first decode position is its first entry
+        r.mtp_floor = r.mtp_start = layout.num_tokens  # its MTP ring starts empty: the first decode position is its first entry
         r.filled = True
         if self.sharing is not None:
             self._register(r)
@@ -1001,6 +1001,10 @@ class TieredStore(KVStore):
     def mtp_history(self, request_ids: list[str]) -> list[int]:
         """Positions each request's MTP ring holds entries for (since its floor, `restart_mtp`)."""
         return [self.residents[rid].num_tokens - self.residents[rid].mtp_floor for rid in request_ids]
+
+    def mtp_restarted(self, request_ids: list[str]) -> list[bool]:
+        """Whether each request's MTP ring restarted after its admission (plain steps ran in between)."""
+        return [self.residents[rid].mtp_floor != self.residents[rid].mtp_start for rid in request_ids]
 
     def restart_mtp(self, request_ids: list[str]) -> None:
         """These requests' MTP rings hold nothing before their next position (steps ran without speculation, so

@@ -133,7 +133,8 @@ class DraftPolicy:
     Expected tokens of a step with n drafts: 1 + sum over k <= n of the product of alpha_1..alpha_k, alpha_k being
     the measured chance that draft k is kept given that the ones before it were. A step's cost is the median of
     its count's last `window` timings in that bucket (one slow sample, a page fault or a neighbour's burst, does
-    not decide). Each candidate count is first tried `probe` times per batch bucket, the plain step first (so an
+    not decide). A speculative count is chosen over the plain step only when expected to give `margin` more. Each
+    candidate count is first tried `probe` times per batch bucket, the plain step first (so an
     unmeasured count is never assumed cheap). Afterwards the counts that could pay (`could_pay`) but are not the
     choice are re-measured, `probe` steps in a row (the first of them only makes drafts: the plain steps before
     made none), once their interval has passed: `explore_every` steps at first, doubling each time one is
@@ -146,10 +147,13 @@ class DraftPolicy:
     (1% by default). With `adaptive` off the policy always drafts `max_tokens`."""
 
     def __init__(self, max_tokens: int, adaptive: bool = True, probe: int = 3, explore_every: int = 50,
-                 decay: float = 0.9, counts: list[int] | None = None, window: int = 7, max_interval: int = 3200,
-                 explore_budget: float = 0.01) -> None:
+                 decay: float = 0.99, counts: list[int] | None = None, window: int = 7, max_interval: int = 3200,
+                 explore_budget: float = 0.01, margin: float = 0.03) -> None:
         self.max_tokens, self.adaptive = max_tokens, adaptive
         self.explore_budget = explore_budget
+        self.margin = margin
+        """How much more a speculative count must be expected to give than the plain step to be chosen over it: both
+        figures are estimates, and a marginal call that is wrong costs served tokens/s."""
         self.counts = sorted(set(counts if counts is not None else range(max_tokens + 1)), reverse=True)
         """The draft counts it chooses among (a compiled CPU step holds one graph per count: `StepRunner.spec_counts`)."""
         self.probe, self.explore_every, self.decay = probe, explore_every, decay
@@ -187,7 +191,7 @@ class DraftPolicy:
         return total
 
     def best(self, bucket: int) -> int:
-        return max(self.counts, key=lambda c: self.expected_tokens(c) / self.cost[(bucket, c)])
+        return max(self.counts, key=lambda c: self.expected_tokens(c) / self.cost[(bucket, c)] / (1 + self.margin if c else 1))
 
     def choose(self, bucket: int) -> int:
         self.steps += 1

@@ -584,8 +584,6 @@ class DecodeWorker:
                         state.accept(t)
         except Exception as e:
             return self._step_failed(g, ended, e, "decode")
-        if spec_bucket is not None:
-            self.policy.record(spec_bucket, 0, time.perf_counter() - t0)
         g.tokens = tokens
         g.num_generated += 1
         if g.index is not None:
@@ -608,6 +606,8 @@ class DecodeWorker:
             if reason is not None:
                 reasons[row] = reason
                 ended.append(g.ids[row])
+        if spec_bucket is not None:
+            self.policy.record(spec_bucket, 0, time.perf_counter() - t0)
         return StepTokens(g.ids, counts - 1, tokens, sampled, reasons)
 
     def _decode_spec(self, g: _Group, ended: list[str], n: int, launch: Callable[[], None], bucket: int,
@@ -616,6 +616,7 @@ class DecodeWorker:
         1 to n + 1 tokens, the same tokens a plain step would give one by one. Returns them in order, a row's
         tokens side by side; a row that ends (stop token, length, its grammar's end) keeps nothing after its last
         token. The kept tokens join the rows' matchers and token histories here, after the step."""
+        t0 = time.perf_counter()  # the step's cost for the policy: all of it, its bookkeeping included
         span = n + 1
         # A row without drafts just arrived (its ring starts at its first decode position already) or took plain
         # steps, which write no MTP entries: its ring holds nothing of the positions since, so it restarts here.
@@ -625,8 +626,8 @@ class DecodeWorker:
         remaining = (g.max_tokens - g.num_generated).tolist()
         verify = [max(0, min(n, len(d), left - 1)) for d, left in zip(g.drafts, remaining)]
         history = self.store.mtp_history(g.ids)
+        restarted = self.store.mtp_restarted(g.ids)
         sampling = None
-        t0 = time.perf_counter()
         try:
             if not g.plain:
                 sampling, verify = self._spec_inputs(g, span, verify)
@@ -637,14 +638,6 @@ class DecodeWorker:
         except Exception as e:
             return self._step_failed(g, ended, e, "speculative decode")
         kept_counts = [row[span] for row in rows]
-        # acceptance is learnt from rows whose MTP ring was full (a ring restarted a window ago drafts worse than
-        # the steady state the choice is about); the step time from every step
-        learnt = [v if h >= self.model.cfg.sliding_window else 0 for v, h in zip(verify, history)]
-        # what the served rows got: those that had drafts (a stale row's first step only drafts, a transition the
-        # policy accounts for apart)
-        drafted = [k for k, d in zip(kept_counts, verify) if d]
-        self.policy.record(bucket, n, time.perf_counter() - t0, learnt, kept_counts,
-                           kept=1 + sum(drafted) / len(drafted) if drafted else None)
         drawn = sampling.tokens([t for row in rows for t in row[:span]]) if sampling is not None else None
         ids, index, tokens, reasons = [], [], [], {}
         sampled = [] if drawn is not None else None
@@ -685,6 +678,17 @@ class DecodeWorker:
         self.spec_steps += 1
         self.spec_rows += len(rows)
         self.spec_kept += sum(kept_counts) + len(rows)
+        # Acceptance is learnt from the rows as served (a new request's ring fills from its admission on), except
+        # those whose ring plain steps restarted less than a window ago: what a re-measurement after a plain stretch
+        # sees of them is a transition, not what the count gives once it is the choice.
+        window = self.model.cfg.sliding_window
+        steady = [h >= window or not again for h, again in zip(history, restarted)]
+        learnt = [v if ok else 0 for v, ok in zip(verify, steady)]
+        # what the rows that had drafts kept (a stale row's first step only drafts, a transition the policy accounts
+        # for apart)
+        drafted = [k for k, d in zip(kept_counts, verify) if d]
+        self.policy.record(bucket, n, time.perf_counter() - t0, learnt, kept_counts,
+                           kept=1 + sum(drafted) / len(drafted) if drafted else None)
         return StepTokens(ids, index, tokens, sampled, reasons)
 
     def _spec_inputs(self, g: _Group, span: int, verify: list[int]) -> tuple[SamplingCall, list[int]]:

@@ -413,15 +413,19 @@ def test_speculation_through_resident_transitions(spec_model, prompts, decode_mo
         assert stats["step"].mode == "compiled"
 
 
-def test_acceptance_is_learnt_from_full_rings_only(spec_model, prompts):
-    """The MTP ring restarts empty at admission (and after plain steps): drafts from a ring holding less than a window
-    are worse than the steady state the draft count is chosen for, so the policy learns no acceptance from them."""
+def test_acceptance_is_learnt_as_served_but_not_from_restarted_rings(spec_model, prompts):
+    """A new request's MTP ring fills from its admission on: its drafts are what the traffic gets, so the policy learns
+    from them from the first. A ring that plain steps restarted holds less than a window for a while: what those
+    drafts keep is a transition (a re-measurement after a plain stretch), so the policy learns nothing from them
+    until the ring is full again."""
     window = spec_model.cfg.sliding_window
 
-    def policy_after(max_tokens):
+    def policy_after(max_tokens, plain_steps):
         tier = TierConfig(offload=True, speculative_tokens=N, device_budget_bytes=64 << 20, reserved_slots=2)
         w = DecodeWorker(spec_model, TieredStore(spec_model.cfg, tier, dtype=spec_model.dtype), max_running=16,
                          step_config=StepConfig(decode_mode="eager", speculative_adaptive=False))
+        steps = iter(range(10**6))
+        w.policy.choose = lambda bucket: 0 if next(steps) < plain_steps else N
         with torch.inference_mode():
             for i, p in enumerate(prompts[:2]):
                 logits, lay = spec_model.prefill(p, last_only=True)
@@ -432,10 +436,14 @@ def test_acceptance_is_learnt_from_full_rings_only(spec_model, prompts):
         assert w.spec_steps > 0
         return w.policy
 
-    cold = policy_after(window - 4)  # every speculative step drafts from a partial ring
-    assert cold.reached == DraftPolicy(N).reached and cold.kept == DraftPolicy(N).kept
-    warm = policy_after(window + 60)
-    assert warm.reached[1] != DraftPolicy(N).reached[1]
+    fresh = DraftPolicy(N)
+    # speculating from admission on, over partial rings only: learnt
+    assert policy_after(window - 4, plain_steps=0).reached[1] != fresh.reached[1]
+    # the same after 5 plain steps: the restarted rings never hold a window before the requests end, nothing learnt
+    cold = policy_after(window - 4 + 5, plain_steps=5)
+    assert cold.reached == fresh.reached and cold.kept == fresh.kept
+    # restarted rings that fill again: learnt from then on
+    assert policy_after(window + 60, plain_steps=5).reached[1] != fresh.reached[1]
 
 
 def test_speculation_over_shared_prefix_pages(spec_model, prompts):
