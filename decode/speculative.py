@@ -134,8 +134,8 @@ class DraftPolicy:
     the measured chance that draft k is kept given that the ones before it were. A step's cost is the median of
     its count's last `window` timings in that bucket (one slow sample, a page fault or a neighbour's burst, does
     not decide). A speculative count is chosen over the plain step only when expected to give `margin` more. Each
-    candidate count is first tried `probe` times per batch bucket, the plain step first (so an
-    unmeasured count is never assumed cheap). Afterwards the counts that could pay (`could_pay`) but are not the
+    candidate count is first tried `probe` times per batch bucket, the plain step first (so an unmeasured count is
+    never assumed cheap). Afterwards the counts that could pay (`could_pay`) but are not the
     choice are re-measured, `probe` steps in a row (the first of them only makes drafts: the plain steps before
     made none), once their interval has passed: `explore_every` steps at first, doubling each time one is
     re-measured and is still not chosen after (up to `max_interval`), back to `explore_every` once it is chosen;
@@ -169,12 +169,12 @@ class DraftPolicy:
         self.interval: dict[tuple[int, int], int] = {}
         """Steps between re-measurements of a count that is not the choice, per (bucket, count)."""
         self._run: dict[int, tuple[int, int]] = {}
+        """Per bucket, a re-measurement under way: (its count, steps left)."""
         self._tally: dict[int, list] = {}
-        """Per bucket, the re-measurement under way as it runs: [its count, the choice it stands in for, seconds,
-        tokens a row kept, steps recorded]."""
+        """Per bucket, the re-measurement (or first probes) under way as it runs: [its count, the choice it stands in
+        for, seconds, tokens a row kept, steps recorded]."""
         self.run_loss: dict[tuple[int, int], float] = {}
         """Per (bucket, count): what its last re-measurement actually lost against the choice (seconds)."""
-        """Per bucket, a re-measurement under way: (its count, steps left)."""
         self.steps = 0
         self.choices: dict[int, dict[int, int]] = {}
         """Steps run with each draft count, per batch bucket (what the bench reports)."""
