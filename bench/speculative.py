@@ -13,9 +13,9 @@ On the trained built-in model with its MTP head, over held-out prompts, greedy, 
 2. throughput: decode tokens/s with speculation off, N = 3 fixed and N = 3 adaptive at each batch, through the
    compiled step (`StepConfig(decode_mode="compiled")`; the first run compiles for minutes, later ones read
    Inductor's on-disk cache), beside a twin of the off worker, all four stepped in lockstep (one step each by
-   turns, `lockstep`) for `--repeats` rounds, each serving `POOL` x batch requests with batch of them in flight; served tokens/s over all rounds (the adaptive policy's probes
-   included), the ratio on / off, the noise (how far the twin lands from off, round by round) and the draft
-   counts the adaptive policy chose;
+   turns, `lockstep`) for `--repeats` rounds, each serving `POOL` x batch requests with batch of them in flight;
+   served tokens/s over all rounds (the adaptive policy's probes included), the ratio on / off, the noise (how
+   far the twin lands from off, round by round) and the draft counts the adaptive policy chose;
 3. miss rate: the hot buffer's misses per request-step and per generated token at LRU sizes k, 2k, 4k
    (k = index_topk), speculation off and at every N the hot-buffer rule allows
    (`cachetier.geometry.spec_lru_floor`: B >= (N + 1) k);
