@@ -132,8 +132,6 @@ the noise a ratio is read against."""
 
 def low_load(model, prompts: list[list[int]], batches: list[int], tokens: int, repeats: int, step, budget: int) -> dict:
     """Step time tier off / on / on with residency at each batch, with room to spare (see the module docstring)."""
-    import statistics
-
     from bench.speculative import greedy_requests, lockstep
     from cachetier.store import TieredStore
     from decode.worker import DecodeWorker
