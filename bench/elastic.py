@@ -132,7 +132,7 @@ the noise a ratio is read against."""
 
 def low_load(model, prompts: list[list[int]], batches: list[int], tokens: int, repeats: int, step, budget: int) -> dict:
     """Step time tier off / on / on with residency at each batch, with room to spare (see the module docstring)."""
-    from bench.speculative import greedy_requests, lockstep
+    from bench.speculative import greedy_requests, lockstep, twin_noise
     from cachetier.store import TieredStore
     from decode.worker import DecodeWorker
 
@@ -159,21 +159,21 @@ def low_load(model, prompts: list[list[int]], batches: list[int], tokens: int, r
             misses = workers["on_resident"].store.counter_totals()["misses"] - before
             kinds = dict(workers["on_resident"].store.mode_steps)
             for name, run in runs.items():
-                ms[name].append(1e3 * run.seconds / max(1, run.steps - warmup))
+                timed = max(1, run.steps - warmup)
+                ms[name].append(1e3 * run.seconds / timed)
                 totals[name][0] += run.seconds
-                totals[name][1] += max(1, run.steps - warmup)
+                totals[name][1] += timed
                 identical &= run.tokens == runs["off"].tokens
             progress(f"low load batch {batch} repeat {rep + 1}/{repeats}: "
                      + ", ".join(f"{k} {v[-1]:.2f} ms" for k, v in ms.items()))
         mean = {name: 1e3 * sec / n for name, (sec, n) in totals.items()}
-        twin = [a / b for a, b in zip(ms["off_twin"], ms["off"])]
+        twin, noise = twin_noise(ms["off_twin"], ms["off"])
         out["by_batch"][str(batch)] = {
             **{f"step_ms_{name}": round(v, 3) for name, v in mean.items()},
             "ratio_on_off": round(mean["on"] / mean["off"], 3),
             "ratio_on_resident_off": round(mean["on_resident"] / mean["off"], 3),
             "ratio_off_twin_off": round(mean["off_twin"] / mean["off"], 3),
-            # how far an identical worker lands from off, round by round: the noise these ratios are read against
-            "noise": round(max(abs(1 - r) for r in twin), 3),
+            "noise": round(noise, 3),
             "ratio_on_resident_off_by_repeat": [round(a / b, 3) for a, b in zip(ms["on_resident"], ms["off"])],
             "ratio_off_twin_off_by_repeat": [round(r, 3) for r in twin],
             "step_ms_all_repeats": {name: [round(x, 3) for x in v] for name, v in ms.items()},

@@ -267,6 +267,13 @@ def lockstep(workers: dict, requests: list, warmup_steps: int, in_flight: int | 
     return {n: Run(tokens[n], [], steps[n], seconds[n], timed[n], {}, 0, 0) for n in names}
 
 
+def twin_noise(twin: list[float], base: list[float]) -> tuple[list[float], float]:
+    """Round by round, a twin worker's figure over its base's (the same worker twice), and the largest distance of
+    those ratios from 1: the noise a ratio between two different workers in the same rounds is read against."""
+    ratios = [a / b for a, b in zip(twin, base)]
+    return ratios, max(abs(1 - r) for r in ratios)
+
+
 def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int, repeats: int, warmup_steps: int,
                budget: int, step: StepConfig) -> dict:
     cap = max(batches)
@@ -306,9 +313,7 @@ def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int,
                      + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in rates.items()))
         # served tokens/s over every repeat (the adaptive policy's probes and re-measurements included)
         served = {name: tok / sec for name, (tok, sec) in totals.items()}
-        # the noise: how far the twin of off lands from off, repeat by repeat, in the same rounds
-        twin = [a / b for a, b in zip(rates["off_twin"], rates["off"])]
-        noise = max(abs(1 - r) for r in twin)
+        twin, noise = twin_noise(rates["off_twin"], rates["off"])
         out["by_batch"][str(batch)] = {
             **{f"tokens_per_s_{name}": round(v, 1) for name, v in served.items()},
             "ratio_on_n3_off": round(served["on_n3"] / served["off"], 3),

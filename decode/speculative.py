@@ -241,7 +241,11 @@ class DraftPolicy:
         kept = self.probe * self.expected_tokens(n)
         if choice == 0 and n > 0:
             kept -= self.expected_tokens(n) - 1.0
-        return self.probe * self.cost[(bucket, n)] - kept * self.cost[(bucket, choice)] / self.expected_tokens(choice)
+        return self.probe * self.cost[(bucket, n)] - self._choice_time(bucket, choice, kept)
+
+    def _choice_time(self, bucket: int, choice: int, tokens: float) -> float:
+        """Seconds the choice takes to give a row `tokens` tokens (what a re-measurement's loss is counted against)."""
+        return tokens * self.cost[(bucket, choice)] / self.expected_tokens(choice)
 
     def could_pay(self, bucket: int) -> list[int]:
         """The counts worth re-measuring: those whose step costs less than the plain step times the tokens it would
@@ -263,8 +267,7 @@ class DraftPolicy:
             tally[4] += 1
             if tally[4] == self.probe:
                 del self._tally[bucket]
-                choice = tally[1]
-                self.run_loss[key] = tally[2] - tally[3] * self.cost[(bucket, choice)] / self.expected_tokens(choice)
+                self.run_loss[key] = tally[2] - self._choice_time(bucket, tally[1], tally[3])
         times = self.samples.setdefault(key, deque(maxlen=self.window))
         times.append(seconds)
         self.cost[key] = statistics.median(times)
