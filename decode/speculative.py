@@ -26,8 +26,8 @@ and the next drafts.
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -125,32 +125,85 @@ def greedy_step(model: V4Model, view: SpecBatch, n_draft: int) -> torch.Tensor:
     return finish(model, view, targets, streams, n_draft)
 
 
+def _median(values) -> float:
+    s = sorted(values)
+    m = len(s) // 2
+    return s[m] if len(s) % 2 else 0.5 * (s[m - 1] + s[m])
+
+
+@dataclass
+class _Run:
+    """A measured run of one draft count in one bucket: its first probes, or a re-measurement (`probe` steps in a
+    row)."""
+
+    count: int
+    choice: int
+    """The count it stands in for: what its loss is counted against."""
+    left: int
+    """Steps of it still to choose."""
+    times: list[float] = field(default_factory=list)
+    kept: float = 0.0
+    """Tokens a row kept, summed over its steps."""
+
+
+@dataclass
+class _Bucket:
+    """What the policy knows of one batch bucket."""
+
+    choice: int = 0
+    due: int = 0
+    """The policy step from which the next re-measurement may start (nothing is computed before it while the plain
+    step is the choice)."""
+    times: dict[int, deque] = field(default_factory=dict)
+    """The last `window` step times per count."""
+    ratios: dict[int, deque] = field(default_factory=dict)
+    """Per count > 0, its last `window` paired ratios: its step time over the plain step's, both measured side by
+    side in time (a run of one against the other's steps just before it)."""
+    ratio: dict[int, float] = field(default_factory=dict)
+    """Their medians: a count's cost in plain steps, what every decision reads (0: 1.0)."""
+    tried: dict[int, int] = field(default_factory=dict)
+    last_tried: dict[int, int] = field(default_factory=dict)
+    interval: dict[int, int] = field(default_factory=dict)
+    """Steps between re-measurements of a count that is not the choice."""
+    run_loss: dict[int, float] = field(default_factory=dict)
+    """What a count's last measured run actually lost against the choice, in plain steps."""
+    run: _Run | None = None
+
+
 class DraftPolicy:
     """How many tokens to draft each step: the count that maximises expected tokens per second, from the
-    acceptance measured so far and the step time measured per (batch bucket, draft count), down to 0 (the plain
-    step) when verifying costs more than it keeps.
+    acceptance measured so far and the step cost measured per (batch bucket, count), down to 0 (the plain step)
+    when verifying costs more than it keeps.
 
     Expected tokens of a step with n drafts: 1 + sum over k <= n of the product of alpha_1..alpha_k, alpha_k being
-    the measured chance that draft k is kept given that the ones before it were. A step's cost is the median of
-    its count's last `window` timings in that bucket (one slow sample, a page fault or a neighbour's burst, does
-    not decide). A speculative count is chosen over the plain step only when expected to give `margin` more. Each
-    candidate count is first tried `probe` times per batch bucket, the plain step first (so an unmeasured count is
-    never assumed cheap). Afterwards the counts that could pay (`could_pay`) but are not the
-    choice are re-measured, `probe` steps in a row (the first of them only makes drafts: the plain steps before
-    made none), once their interval has passed: `explore_every` steps at first, doubling each time one is
-    re-measured and is still not chosen after (up to `max_interval`), back to `explore_every` once it is chosen;
-    the plain step every `max_interval` steps (`_interval`). So a choice follows a change of load or text, while a
-    count that keeps losing costs less and less, and one that cannot pay is never run again. Whatever the interval,
-    a re-measurement waits until the time it is expected to lose (`explore_loss`: its steps' cost less the time the
-    choice would take for the tokens they keep) is at most `explore_budget` of the choice's time over the steps
-    since the last one: past a bucket's first probes, re-measuring never costs served tokens/s more than that share
-    (1% by default). With `adaptive` off the policy always drafts `max_tokens`."""
+    the measured chance that draft k is kept given that the ones before it were. A step's cost is read in plain
+    steps of its bucket: the median of its last `window` *paired* ratios, each the median of a run of one count over
+    the median of the other's steps just before it. Only side-by-side times are compared, so a stretch where the
+    whole machine runs slower (a neighbour's burst, a page-cache flush) moves both and decides nothing; comparing a
+    speculative step's fresh time with a plain time measured long before did, both ways.
+
+    Each candidate count is first tried in a run of `probe` steps per batch bucket, the plain step first (so an
+    unmeasured count is never assumed cheap). The choice changes only when something new is known: after a measured
+    run (a re-measurement gives a fresh ratio), or, while speculating, as the acceptance moves (it is learnt every
+    step). A speculative count must be expected to give `margin` more than the plain step to be chosen. The counts
+    that could pay (`could_pay`) but are not the choice are re-measured in runs of `probe` steps (the first of them
+    only makes drafts: the plain steps before made none) once their interval has passed: `explore_every` steps at
+    first, doubling each time one is re-measured and is still not chosen after (up to `max_interval`), back to
+    `explore_every` once it is chosen; the plain step every `max_interval` steps (`_interval`). Whatever the interval,
+    a re-measurement waits until the time it is expected to lose (`explore_loss`, or what its last run here actually
+    lost when that was more) is at most `explore_budget` of the choice's time over the steps since the last one:
+    past a bucket's first probes, re-measuring never costs served tokens/s more than that share.
+
+    While the plain step is the choice and no re-measurement is due, `choose` and `record` do a few dictionary
+    operations: on a CPU the step leaves the interpreter's caches cold, and the full computation cost about 1% of a
+    plain step at batch 16. With `adaptive` off the policy always drafts `max_tokens`."""
 
     def __init__(self, max_tokens: int, adaptive: bool = True, probe: int = 3, explore_every: int = 50,
                  decay: float = 0.99, counts: list[int] | None = None, window: int = 7, max_interval: int = 3200,
-                 explore_budget: float = 0.01, margin: float = 0.03) -> None:
+                 explore_budget: float = 0.003, margin: float = 0.03) -> None:
         self.max_tokens, self.adaptive = max_tokens, adaptive
         self.explore_budget = explore_budget
+        """The share of the choice's time re-measurements may lose: well under the noise of a served figure."""
         self.margin = margin
         """How much more a speculative count must be expected to give than the plain step to be chosen over it: both
         figures are estimates, and a marginal call that is wrong costs served tokens/s."""
@@ -160,21 +213,7 @@ class DraftPolicy:
         self.window, self.max_interval = window, max_interval
         self.reached = [1.0] * (max_tokens + 1)  # decayed counts per draft position k (index 1..N)
         self.kept = [0.7] * (max_tokens + 1)
-        self.samples: dict[tuple[int, int], deque[float]] = {}
-        """The last `window` step times per (bucket, count)."""
-        self.cost: dict[tuple[int, int], float] = {}
-        """Their median: the cost the choice reads."""
-        self.tries: dict[tuple[int, int], int] = {}
-        self.last_tried: dict[tuple[int, int], int] = {}
-        self.interval: dict[tuple[int, int], int] = {}
-        """Steps between re-measurements of a count that is not the choice, per (bucket, count)."""
-        self._run: dict[int, tuple[int, int]] = {}
-        """Per bucket, a re-measurement under way: (its count, steps left)."""
-        self._tally: dict[int, list] = {}
-        """Per bucket, the re-measurement (or first probes) under way as it runs: [its count, the choice it stands in
-        for, seconds, tokens a row kept, steps recorded]."""
-        self.run_loss: dict[tuple[int, int], float] = {}
-        """Per (bucket, count): what its last re-measurement actually lost against the choice (seconds)."""
+        self.buckets: dict[int, _Bucket] = {}
         self.steps = 0
         self.choices: dict[int, dict[int, int]] = {}
         """Steps run with each draft count, per batch bucket (what the bench reports)."""
@@ -190,92 +229,170 @@ class DraftPolicy:
             total += run
         return total
 
+    def _bucket(self, bucket: int) -> _Bucket:
+        b = self.buckets.get(bucket)
+        if b is None:
+            b = self.buckets[bucket] = _Bucket()
+        return b
+
+    @staticmethod
+    def _unit(b: _Bucket, n: int) -> float:
+        """A step of count n in plain steps of its bucket."""
+        return b.ratio[n] if n else 1.0
+
     def best(self, bucket: int) -> int:
-        return max(self.counts, key=lambda c: self.expected_tokens(c) / self.cost[(bucket, c)] / (1 + self.margin if c else 1))
+        b = self.buckets[bucket]
+        return max((c for c in self.counts if not c or c in b.ratio),
+                   key=lambda c: self.expected_tokens(c) / self._unit(b, c) / (1 + self.margin if c else 1))
 
     def choose(self, bucket: int) -> int:
         self.steps += 1
-        if not self.adaptive or self.max_tokens == 0:
-            n = self.max_tokens
-        elif (run := self._run.get(bucket)) is not None and run[1] > 0:
-            n = run[0]
-            self._run[bucket] = (n, run[1] - 1)
-        else:
-            unmeasured = [n for n in self.counts if self.tries.get((bucket, n), 0) < self.probe]
-            if unmeasured:
-                n = unmeasured[-1]  # the plain step first: a fresh request's MTP ring is empty anyway
-                if n and not self.tries.get((bucket, n)) and (bucket, 0) in self.cost:  # its probes: tallied as a re-measurement
-                    self._tally[bucket] = [n, 0, 0.0, 0.0, 0]
-            else:
-                n = self.best(bucket)
-                self.interval[(bucket, n)] = self.explore_every  # the choice: re-measured promptly once it loses
-                due = [c for c in self.could_pay(bucket) if c != n
-                       and self.steps - self.last_tried.get((bucket, c), 0) >= self._interval(bucket, c, n)]
-                if due:
-                    choice, n = n, min(due, key=lambda c: self.last_tried.get((bucket, c), 0))
-                    self._tally[bucket] = [n, choice, 0.0, 0.0, 0]
-                    key = (bucket, n)
-                    self.interval[key] = min(2 * self.interval.get(key, self.explore_every), self.max_interval)
-                    self._run[bucket] = (n, self.probe - 1)
-        per = self.choices.setdefault(bucket, {})
+        n = self._pick(bucket) if self.adaptive and self.max_tokens else self.max_tokens
+        per = self.choices.get(bucket)
+        if per is None:
+            per = self.choices[bucket] = {}
         per[n] = per.get(n, 0) + 1
         return n
 
+    def _pick(self, bucket: int) -> int:
+        b = self._bucket(bucket)
+        run = b.run
+        if run is not None:
+            if run.left > 0:
+                run.left -= 1
+                return run.count
+            self._close(bucket, b)  # its last steps were never recorded (they failed)
+        if not b.choice and self.steps < b.due:
+            return 0  # settled on the plain step until a re-measurement is due: nothing to compute
+        new = next((c for c in reversed(self.counts)
+                    if (b.tried.get(c, 0) < self.probe if not c else c not in b.ratio)), None)
+        if new is not None:  # the first probes, the plain step first (a fresh request's MTP ring is empty anyway)
+            return self._start(b, new)
+        if b.choice and self.best(bucket) != b.choice:  # speculating: the acceptance moved
+            self._decide(bucket, b)
+        if self.steps >= b.due:
+            due = [c for c in self.could_pay(bucket) if c != b.choice
+                   and self.steps - b.last_tried.get(c, 0) >= self._interval(bucket, c, b.choice)]
+            if due:
+                n = min(due, key=lambda c: b.last_tried.get(c, 0))
+                b.interval[n] = min(2 * b.interval.get(n, self.explore_every), self.max_interval)
+                return self._start(b, n)
+            b.due = self._next_due(bucket, b)
+        return b.choice
+
+    def _start(self, b: _Bucket, n: int) -> int:
+        b.run = _Run(n, b.choice, self.probe - 1)
+        return n
+
+    def _decide(self, bucket: int, b: _Bucket) -> None:
+        b.choice = self.best(bucket)
+        b.interval[b.choice] = self.explore_every  # the choice: re-measured promptly once it loses
+        b.due = self._next_due(bucket, b)
+
+    def _next_due(self, bucket: int, b: _Bucket) -> int:
+        """The step from which a count that could pay is due to be re-measured (an unmeasured one at once), looked at
+        again within `explore_every` steps at the latest: what could pay follows the acceptance learnt anywhere."""
+        due = (b.last_tried.get(c, 0) + self._interval(bucket, c, b.choice) if c in b.ratio or not c else 0
+               for c in self.could_pay(bucket) if c != b.choice)
+        return min(min(due, default=self.steps + self.explore_every), self.steps + self.explore_every)
+
+    def _close(self, bucket: int, b: _Bucket) -> None:
+        """A measured run ended: a paired ratio from it (against the plain step's times just before a speculative
+        run, against the choice's just before a plain one), what it lost, and the choice made again."""
+        run, b.run = b.run, None
+        if not run.times:
+            return
+        n, med = run.count, _median(run.times)
+        unit = med
+        if n and b.times.get(0):
+            unit = _median(b.times[0])
+            self._add_ratio(b, n, med / unit)
+        elif not n and run.choice and b.times.get(run.choice):
+            self._add_ratio(b, run.choice, _median(b.times[run.choice]) / med)
+        if n != run.choice and (not run.choice or run.choice in b.ratio) and (not n or n in b.ratio):
+            b.run_loss[n] = sum(run.times) / unit - self._choice_time(b, run.choice, run.kept)
+        self._decide(bucket, b)
+
+    def _add_ratio(self, b: _Bucket, n: int, ratio: float) -> None:
+        r = b.ratios.get(n)
+        if r is None:
+            r = b.ratios[n] = deque(maxlen=self.window)
+        r.append(ratio)
+        b.ratio[n] = _median(r)
+
     def _interval(self, bucket: int, n: int, choice: int) -> int:
         """Steps between re-measurements of count n while `choice` is the choice: `interval` (the plain step's only
-        when the choice speculates, and rarely: its time follows the speculative step's, whose time and acceptance
-        are measured all along, a drop in acceptance switches to plain without it, and a plain step restarts every
-        MTP ring), and never fewer than keep the loss within `explore_budget` of the choice's time: the expected
-        loss, or what the count's last re-measurement here actually lost, when that was more (its first step after
-        plain ones may run cold, which the median cost does not show)."""
-        steps = self.max_interval if n == 0 else self.interval.get((bucket, n), self.explore_every)
-        loss = max(self.explore_loss(bucket, n, choice), self.run_loss.get((bucket, n), 0.0))
+        when the choice speculates, and rarely: the acceptance is measured all along, a drop in it switches to plain
+        without it, and a plain step restarts every MTP ring), and never fewer than keep the loss within
+        `explore_budget` of the choice's time: the expected loss, or what the count's last re-measurement here
+        actually lost, when that was more (its first step after plain ones may run cold)."""
+        b = self.buckets[bucket]
+        steps = self.max_interval if n == 0 else b.interval.get(n, self.explore_every)
+        if n and n not in b.ratio:
+            return steps
+        loss = max(self.explore_loss(bucket, n, choice), b.run_loss.get(n, 0.0))
         if loss > 0:
-            steps = max(steps, math.ceil(loss / (self.explore_budget * self.cost[(bucket, choice)])))
+            steps = max(steps, math.ceil(loss / (self.explore_budget * self._unit(b, choice))))
         return steps
 
     def explore_loss(self, bucket: int, n: int, choice: int) -> float:
-        """Seconds a re-measurement of count n (`probe` steps) is expected to lose against the choice: its steps'
-        measured cost less the time the choice takes for the tokens they are expected to keep (the first step after
-        plain ones keeps one token: its rings were empty). Negative: it would gain."""
+        """Plain steps a re-measurement of count n (`probe` steps) is expected to lose against the choice: its steps'
+        cost less the time the choice takes for the tokens they are expected to keep (the first step after plain
+        ones keeps one token: its rings were empty; after a plain run the choice's first step does). Negative: it
+        would gain."""
+        b = self.buckets[bucket]
         kept = self.probe * self.expected_tokens(n)
         if choice == 0 and n > 0:
             kept -= self.expected_tokens(n) - 1.0
-        return self.probe * self.cost[(bucket, n)] - self._choice_time(bucket, choice, kept)
+        loss = self.probe * self._unit(b, n) - self._choice_time(b, choice, kept)
+        if n == 0 and choice > 0:
+            loss += self._unit(b, choice) - self._choice_time(b, choice, 1.0)
+        return loss
 
-    def _choice_time(self, bucket: int, choice: int, tokens: float) -> float:
-        """Seconds the choice takes to give a row `tokens` tokens (what a re-measurement's loss is counted against)."""
-        return tokens * self.cost[(bucket, choice)] / self.expected_tokens(choice)
+    def _choice_time(self, b: _Bucket, choice: int, tokens: float) -> float:
+        """Plain steps the choice takes to give a row `tokens` tokens (what a re-measurement's loss is counted
+        against)."""
+        return tokens * self._unit(b, choice) / self.expected_tokens(choice)
 
     def could_pay(self, bucket: int) -> list[int]:
-        """The counts worth re-measuring: those whose step costs less than the plain step times the tokens it would
-        keep were each draft's acceptance halfway from the measured one to certain. A count that costs more is not
+        """The counts worth re-measuring: those whose step costs less than the tokens it would keep were each
+        draft's acceptance halfway from the measured one to certain (in plain steps). A count that costs more is not
         tried again: past the probes, speculation that does not pay costs nothing."""
-        plain = self.cost.get((bucket, 0))
-        return [n for n in self.counts
-                if n == 0 or plain is None or self.cost[(bucket, n)] < self.expected_tokens(n, optimism=0.5) * plain]
+        ratio = self.buckets[bucket].ratio
+        return [n for n in self.counts if n == 0 or n not in ratio or ratio[n] < self.expected_tokens(n, optimism=0.5)]
 
     def record(self, bucket: int, n: int, seconds: float, verified: list[int] | None = None,
                accepted: list[int] | None = None, kept: float | None = None) -> None:
         """A step with `n` drafts took `seconds`; per request, how many drafts it verified (0 where its acceptance
         is not to be learnt from) and kept; `kept`: the tokens a row that verified drafts kept, on average."""
-        key = (bucket, n)
-        tally = self._tally.get(bucket)
-        if tally is not None and tally[0] == n:
-            tally[2] += seconds
-            tally[3] += kept if kept is not None else 1.0
-            tally[4] += 1
-            if tally[4] == self.probe:
-                del self._tally[bucket]
-                self.run_loss[key] = tally[2] - self._choice_time(bucket, tally[1], tally[3])
-        times = self.samples.setdefault(key, deque(maxlen=self.window))
+        if verified:
+            self._learn(verified, accepted)
+        b = self._bucket(bucket)
+        times = b.times.get(n)
+        if times is None:
+            times = b.times[n] = deque(maxlen=self.window)
         times.append(seconds)
-        self.cost[key] = statistics.median(times)
-        self.tries[key] = self.tries.get(key, 0) + 1
-        self.last_tried[key] = self.steps
-        if not verified:
-            return
-        for d, a in zip(verified, accepted):
-            for k in range(1, min(d, a + 1) + 1):  # draft k was looked at when the k - 1 before it were kept
-                self.reached[k] = self.decay * self.reached[k] + 1
-                self.kept[k] = self.decay * self.kept[k] + (1 if k <= a else 0)
+        b.tried[n] = b.tried.get(n, 0) + 1
+        b.last_tried[n] = self.steps
+        run = b.run
+        if run is not None and run.count == n:
+            run.times.append(seconds)
+            run.kept += kept if kept is not None else 1.0
+            if len(run.times) == self.probe:
+                self._close(bucket, b)
+
+    def _learn(self, verified: list[int], accepted: list[int]) -> None:
+        """One step's rows, all at once: per draft position, the rows that looked at it (the drafts before it kept)
+        and those that kept it, each row weighing as one decayed observation."""
+        for k in range(1, self.max_tokens + 1):
+            reached = hits = 0
+            for d, a in zip(verified, accepted):
+                if d >= k and a >= k - 1:  # draft k was looked at when the k - 1 before it were kept
+                    reached += 1
+                    hits += a >= k
+            if not reached:
+                break
+            fade = self.decay ** reached
+            weight = (1.0 - fade) / (1.0 - self.decay) / reached  # what `reached` rows add, decayed in turn
+            self.reached[k] = fade * self.reached[k] + weight * reached
+            self.kept[k] = fade * self.kept[k] + weight * hits

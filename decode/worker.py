@@ -564,7 +564,8 @@ class DecodeWorker:
             n = self.policy.choose(spec_bucket) if span is None else span - 1  # a replica's ranks agreed on theirs
             if n > 0:
                 return self._decode_spec(g, ended, n, launch, spec_bucket, bucket)
-            g.drafts = [[] for _ in g.ids]  # a plain step writes no MTP entries: these rings restart at the next one
+            if any(g.drafts):  # a plain step writes no MTP entries: these rings restart at the next one
+                g.drafts = [[] for _ in g.ids]
         t0 = time.perf_counter()
         try:
             logits = self.runner.run(g.ids, g.tokens, launch, bucket)
