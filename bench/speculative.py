@@ -14,8 +14,10 @@ On the trained built-in model with its MTP head, over held-out prompts, greedy, 
    compiled step (`StepConfig(decode_mode="compiled")`; the first run compiles for minutes, later ones read
    Inductor's on-disk cache), beside a twin of the off worker, all four stepped in lockstep (one step each by
    turns, `lockstep`) for `--repeats` rounds, each serving `POOL` x batch requests with batch of them in flight;
-   served tokens/s over all rounds (the adaptive policy's probes included), the ratio on / off, the noise (how
-   far the twin lands from off, round by round) and the draft counts the adaptive policy chose;
+   served tokens/s at that concurrency over all rounds (the steps that began with batch requests unfinished, the
+   adaptive policy's probes included), the ratio on / off, the noise (how far the twin lands from off, round by
+   round) and the draft counts the adaptive policy chose; `whole_pool` gives the same over every step, the drain
+   once the pool runs out included;
 3. miss rate: the hot buffer's misses per request-step and per generated token at LRU sizes k, 2k, 4k
    (k = index_topk), speculation off and at every N the hot-buffer rule allows
    (`cachetier.geometry.spec_lru_floor`: B >= (N + 1) k);
@@ -128,6 +130,10 @@ class Run:
     warm_request_steps: int
     """Request-steps and tokens of the steps before the miss counters' snapshot (left out of the steady figures)."""
     warm_tokens: int
+    steady_tokens: int = 0
+    steady_seconds: float = 0.0
+    """Tokens and seconds of the timed steps that began with the full concurrency in flight (`lockstep`'s
+    `in_flight`): served throughput at that concurrency, without the drain once the requests run out."""
 
 
 def drive(worker, requests: list, warmup_steps: int = 0, warmup_tokens: int = 0) -> Run:
@@ -228,10 +234,15 @@ def lockstep(workers: dict, requests: list, warmup_steps: int, in_flight: int | 
     workers share whatever else the machine does step by step, so their ratio is not moved by drift between whole
     runs. `in_flight`: each worker is given that many at first and the next one as each finishes, so it serves a
     steady concurrency rather than a batch that drains (None: all at once). Each worker's time and tokens leave out
-    its first `warmup_steps` steps."""
+    its first `warmup_steps` steps; its steady figures, those of the steps that began with `in_flight` requests
+    unfinished: once the requests run out, a worker whose rows finished at different steps (speculation keeps
+    different token counts per row) drains through steps of fewer rows at the same bucket's cost, which an open
+    workload, whose next request is always waiting, never pays."""
     names = list(workers)
     first = len(requests) if in_flight is None else min(in_flight, len(requests))
     given = {n: 0 for n in names}
+    done = {n: 0 for n in names}
+    steady = {n: [0, 0.0] for n in names}
 
     def give(n: str, count: int) -> None:
         for r in requests[given[n] : given[n] + count]:
@@ -261,10 +272,14 @@ def lockstep(workers: dict, requests: list, warmup_steps: int, in_flight: int | 
             if steps[n] > warmup_steps:
                 seconds[n] += dt
                 timed[n] += len(events)
+                if given[n] - done[n] >= first:
+                    steady[n][0] += len(events)
+                    steady[n][1] += dt
+            done[n] += finished
             if finished:
                 give(n, finished)
         rnd += 1
-    return {n: Run(tokens[n], [], steps[n], seconds[n], timed[n], {}, 0, 0) for n in names}
+    return {n: Run(tokens[n], [], steps[n], seconds[n], timed[n], {}, 0, 0, *steady[n]) for n in names}
 
 
 def twin_noise(twin: list[float], base: list[float]) -> tuple[list[float], float]:
@@ -297,22 +312,27 @@ def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int,
         reqs = greedy_requests(model, prompts, POOL * batch, tokens, f"b{batch}-")
         rates: dict[str, list[float]] = {name: [] for name in workers}
         totals = {name: [0, 0.0] for name in workers}
+        whole = {name: [0, 0.0] for name in workers}
         steps: dict[str, list[int]] = {name: [] for name in workers}
         before = {b: dict(c) for b, c in workers["on_adaptive"].policy.choices.items()}
         for rep in range(repeats):
             runs = lockstep(workers, reqs, warmup_steps, in_flight=batch)
             for name, run in runs.items():
-                rates[name].append(run.timed_tokens / run.seconds)
-                totals[name][0] += run.timed_tokens
-                totals[name][1] += run.seconds
+                rates[name].append(run.steady_tokens / run.steady_seconds)
+                totals[name][0] += run.steady_tokens
+                totals[name][1] += run.steady_seconds
+                whole[name][0] += run.timed_tokens
+                whole[name][1] += run.seconds
                 steps[name].append(run.steps)
                 if run.tokens != runs["off"].tokens:
                     identical = False
                     progress(f"  batch {batch} {name} repeat {rep + 1}: tokens differ from speculation off")
             progress(f"throughput batch {batch} repeat {rep + 1}/{repeats}: "
                      + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in rates.items()))
-        # served tokens/s over every repeat (the adaptive policy's probes and re-measurements included)
+        # served tokens/s at this concurrency over every repeat (the adaptive policy's probes and re-measurements
+        # included), and over the whole pool, its drain included
         served = {name: tok / sec for name, (tok, sec) in totals.items()}
+        pool = {name: tok / sec for name, (tok, sec) in whole.items()}
         twin, noise = twin_noise(rates["off_twin"], rates["off"])
         out["by_batch"][str(batch)] = {
             **{f"tokens_per_s_{name}": round(v, 1) for name, v in served.items()},
@@ -326,6 +346,10 @@ def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int,
             "steps_per_run": {name: statistics.median(v) for name, v in steps.items()},
             "tokens_per_s_all_repeats": {name: [round(x, 1) for x in v] for name, v in rates.items()},
             "adaptive_draft_choices": _choices_since(before, workers["on_adaptive"].policy.choices),
+            "whole_pool": {**{f"tokens_per_s_{name}": round(v, 1) for name, v in pool.items()},
+                           "ratio_on_n3_off": round(pool["on_n3"] / pool["off"], 3),
+                           "ratio_on_adaptive_off": round(pool["on_adaptive"] / pool["off"], 3),
+                           "ratio_off_twin_off": round(pool["off_twin"] / pool["off"], 3)},
         }
     for name, w in workers.items():
         st = w.stats()

@@ -4,8 +4,10 @@ with the worker's own counters, the hot-buffer rule decides which (B, N) ran, an
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
+import types
 
 import pytest
 import torch
@@ -65,6 +67,10 @@ def test_throughput_rows(result):
         assert row["noise"] == pytest.approx(max(abs(1 - r) for r in row["ratio_off_twin_off_by_repeat"]), abs=2e-3)
         assert row["adaptive_within_noise_of_off"] == (row["ratio_on_adaptive_off"] >= 1 - row["noise"] - 1e-3) or \
             abs(row["ratio_on_adaptive_off"] - (1 - row["noise"])) < 2e-3
+        # the headline figures are at the batch's concurrency; the whole pool's, its drain included, stand beside them
+        pool = row["whole_pool"]
+        assert pool["ratio_on_adaptive_off"] == pytest.approx(pool["tokens_per_s_on_adaptive"] / pool["tokens_per_s_off"],
+                                                              rel=0.01)
         # the adaptive policy probed its candidate counts, each of them at most N = 3
         assert row["adaptive_draft_choices"] and all(0 <= int(n) <= 3 for per in row["adaptive_draft_choices"].values() for n in per)
 
@@ -88,3 +94,63 @@ def test_miss_rate_follows_the_hot_buffer_rule(result):
                     assert fig["tokens"] == fig["request_steps"]
                 else:
                     assert fig["tokens"] >= fig["request_steps"]
+
+
+@dataclasses.dataclass
+class _Layout:
+    def clone(self) -> _Layout:
+        return self
+
+
+@dataclasses.dataclass
+class _Req:
+    request_id: str
+    layout: _Layout
+    tokens: int
+
+
+class _Lanes:
+    """A stand-in worker: every running request gains one token a step, except on step `burst`, where every one but
+    the first gains three (a speculative step that keeps drafts for most rows)."""
+
+    def __init__(self, burst: int | None) -> None:
+        self.burst, self.steps, self.queue, self.running, self.rows = burst, 0, [], {}, []
+
+    def submit(self, req: _Req) -> None:
+        self.queue.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.queue or self.running)
+
+    def step(self) -> list:
+        while self.queue:
+            r = self.queue.pop(0)
+            self.running[r.request_id] = r.tokens
+        self.rows.append(len(self.running))
+        events = []
+        for i, rid in enumerate(list(self.running)):
+            gain = 3 if self.steps == self.burst and i else 1
+            for _ in range(min(gain, self.running[rid])):
+                self.running[rid] -= 1
+                done = self.running[rid] == 0
+                events.append(types.SimpleNamespace(request_id=rid, token=types.SimpleNamespace(token_id=7),
+                                                    finish_reason="length" if done else None))
+            if not self.running[rid]:
+                del self.running[rid]
+        self.steps += 1
+        return events
+
+
+def test_lockstep_counts_steady_concurrency_apart_from_the_drain():
+    """Six requests, three in flight. Without the burst every lane finishes together: every step is steady. After
+    it, two lanes run ahead and run out of requests first; the steps that follow run fewer rows (the drain), and the
+    steady figures leave them out while the whole run's keep them."""
+    reqs = [_Req(f"r{i}", _Layout(), 10) for i in range(6)]
+    workers = {"plain": _Lanes(None), "burst": _Lanes(3)}
+    runs = speculative.lockstep(workers, reqs, warmup_steps=0, in_flight=3)
+    plain, burst = runs["plain"], runs["burst"]
+    assert plain.steady_tokens == plain.timed_tokens == 60 and plain.steady_seconds == plain.seconds
+    assert all(len(t) == 10 for t in burst.tokens.values())
+    drained = [rows for rows in workers["burst"].rows if rows < 3]
+    assert drained and burst.steady_tokens == 60 - sum(drained)
+    assert burst.steady_seconds < burst.seconds
