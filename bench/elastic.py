@@ -132,16 +132,16 @@ the noise a ratio is read against."""
 
 def low_load(model, prompts: list[list[int]], batches: list[int], tokens: int, repeats: int, step, budget: int) -> dict:
     """Step time tier off / on / on with residency at each batch, with room to spare (see the module docstring)."""
-    from bench.speculative import greedy_requests, lockstep, twin_noise
+    from bench.speculative import greedy_requests, lockstep, own_code_budget, twin_noise
     from cachetier.store import TieredStore
     from decode.worker import DecodeWorker
 
     cap = max(batches)
     workers = {}
-    for name, kw in LOW_LOAD_WORKERS.items():
+    for i, (name, kw) in enumerate(LOW_LOAD_WORKERS.items()):
         progress(f"low load: building the {name} worker ({step.decode_mode} step"
                  + ("; compiling, minutes from an empty Inductor cache" if step.decode_mode == "compiled" else "") + ")")
-        tier = TierConfig(device_budget_bytes=budget, host_pool_bytes=4 * budget, max_running=cap, **kw)
+        tier = TierConfig(device_budget_bytes=own_code_budget(budget, i), host_pool_bytes=4 * budget, max_running=cap, **kw)
         workers[name] = DecodeWorker(model, TieredStore(model.cfg, tier, dtype=model.dtype), max_running=cap,
                                      step_config=step, check_when_idle=False)
     out = {"step": step.decode_mode, "prompt_tokens": len(prompts[0]), "tokens_per_request": tokens, "repeats": repeats,

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import random
 import statistics
 import time
 
@@ -228,16 +229,26 @@ steady concurrency of B. A batch that only drains would end in a tail of a few r
 requests finish at different steps, a cost no server with a queue pays."""
 
 
+def own_code_budget(budget: int, index: int) -> int:
+    """The device budget of the `index`-th worker of a lockstep run: `index` MiB over `budget`, so that its arena, a
+    constant of its compiled step, differs from every other worker's and Inductor builds it machine code of its own
+    (identical workers would share one compiled module, and the one that steps right after its twin would find its
+    instructions cached). Nothing else about the worker changes."""
+    return budget + (index << 20)
+
+
 def lockstep(workers: dict, requests: list, warmup_steps: int, in_flight: int | None = None) -> dict[str, Run]:
-    """Give every worker copies of `requests` and step them by turns, one step each in a round, the order rotated by
-    one every round (no worker steps twice in a row, and each takes every place in turn), until all finish: the
+    """Give every worker copies of `requests` and step them by turns, one step each in a round, until all finish: the
     workers share whatever else the machine does step by step, so their ratio is not moved by drift between whole
-    runs. `in_flight`: each worker is given that many at first and the next one as each finishes, so it serves a
-    steady concurrency rather than a batch that drains (None: all at once). Each worker's time and tokens leave out
-    its first `warmup_steps` steps; its steady figures, those of the steps that began with `in_flight` requests
-    unfinished: once the requests run out, a worker whose rows finished at different steps (speculation keeps
-    different token counts per row) drains through steps of fewer rows at the same bucket's cost, which an open
-    workload, whose next request is always waiting, never pays."""
+    runs. The order is drawn afresh every round (seeded; no worker steps twice in a row), so each worker follows
+    every other equally often: a step runs faster right after one that ran the same machine code (its instructions
+    still cached), and with a fixed cyclic order the worker that always followed its own twin gained 1-2% over
+    the rest (give each worker code of its own too: `own_code_budget`). `in_flight`: each worker is given that many
+    at first and the next one as each finishes, so it serves a steady concurrency rather than a batch that drains
+    (None: all at once). Each worker's time and tokens leave out its first `warmup_steps` steps; its steady figures,
+    those of the steps that began with `in_flight` requests unfinished: once the requests run out, a worker whose
+    rows finished at different steps (speculation keeps different token counts per row) drains through steps of fewer
+    rows at the same bucket's cost, which an open workload, whose next request is always waiting, never pays."""
     names = list(workers)
     first = len(requests) if in_flight is None else min(in_flight, len(requests))
     given = {n: 0 for n in names}
@@ -253,10 +264,15 @@ def lockstep(workers: dict, requests: list, warmup_steps: int, in_flight: int | 
         give(n, first)
     tokens = {n: {r.request_id: [] for r in requests} for n in names}
     steps, seconds, timed = ({n: 0 for n in names}, {n: 0.0 for n in names}, {n: 0 for n in names})
-    rnd = 0
+    draw = random.Random(0)
+    order = list(names)
     while any(w.has_work() for w in workers.values()):
-        k = rnd % len(names)
-        for n in names[k:] + names[:k]:
+        last = order[-1]
+        while True:
+            draw.shuffle(order)
+            if len(order) == 1 or order[0] != last:
+                break
+        for n in order:
             w = workers[n]
             if not w.has_work():
                 continue
@@ -278,7 +294,6 @@ def lockstep(workers: dict, requests: list, warmup_steps: int, in_flight: int | 
             done[n] += finished
             if finished:
                 give(n, finished)
-        rnd += 1
     return {n: Run(tokens[n], [], steps[n], seconds[n], timed[n], {}, 0, 0, *steady[n]) for n in names}
 
 
@@ -293,11 +308,11 @@ def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int,
                budget: int, step: StepConfig) -> dict:
     cap = max(batches)
     workers = {}
-    for name, n, adaptive in THROUGHPUT_WORKERS:
+    for i, (name, n, adaptive) in enumerate(THROUGHPUT_WORKERS):
         progress(f"throughput: building the {name} worker ({step.decode_mode} step"
                  + ("; compiling, minutes from an empty Inductor cache" if step.decode_mode == "compiled" else "") + ")")
         t0 = time.perf_counter()
-        workers[name] = make_worker(model, n, step, budget, cap, adaptive=adaptive)
+        workers[name] = make_worker(model, n, step, own_code_budget(budget, i), cap, adaptive=adaptive)
         st = workers[name].stats()["step"]
         progress(f"  ready in {time.perf_counter() - t0:.1f} s ({st.compiles} compiles, {st.compile_s} s compiling)")
     out = {"step": step.decode_mode, "compile_backend": step.compile_backend if step.decode_mode == "compiled" else None,

@@ -252,6 +252,12 @@ class TieredStore(KVStore):
         """With residency: whether a step whose every request is resident gets a view of its own (no resolve at all).
         A runner that replays CUDA graphs per bucket turns it off: one mixed view per bucket serves every state."""
         self.promotions = self.demotions = 0
+        self._changes = 0
+        """Counts what can change residency's decision besides free pages and headroom: a request filled, or its
+        blocks or C4 pages changed (`_changed`)."""
+        self._settled: tuple[int, int, int] | None = None
+        """(changes, free pages, headroom) when `rebalance` last found nothing to do: until one of them moves, it has
+        nothing to do again, and a step at low load pays a comparison, not a scan."""
         self.mode_steps: dict[str, int] = {}
         """Views loaded for a step, per kind (`c4_mode`): how often a step read C4 entries which way."""
         self._alloc_lock = threading.Lock()  # reservations come from the actor's loop, frees from its step thread
@@ -429,6 +435,7 @@ class TieredStore(KVStore):
         r.num_tokens = layout.num_tokens
         r.mtp_floor = r.mtp_start = layout.num_tokens  # its MTP ring starts empty: the first decode position is its first entry
         r.filled = True
+        self._changes += 1
         if self.sharing is not None:
             self._register(r)
 
@@ -452,7 +459,7 @@ class TieredStore(KVStore):
                 r.host_blocks_np = np.array(r.host_blocks, dtype=np.int64)
             r.shared, r.maps = s + more, [*r.maps, *maps]
             r.blocks, r.blocks_np = blocks, np.array(blocks, dtype=np.int64)
-            r.tables_version += 1
+            self._changed(r)
 
     def _register(self, r: Resident) -> None:
         """A filled request's own full context pages become shared pages (it is their first holder; they map as
@@ -786,8 +793,13 @@ class TieredStore(KVStore):
         """Pages `need` more blocks of a request take: theirs, and their C4 pages while it is resident."""
         return need * (1 + (self.geo.c4_pages_per_block if r.c4_pages else 0))
 
-    def _set_blocks(self, r: Resident, blocks: list[int]) -> None:
+    def _changed(self, r: Resident) -> None:
+        """A request's tables (blocks, C4 pages) or state changed: views reload its tables, and residency looks again."""
         r.tables_version += 1
+        self._changes += 1
+
+    def _set_blocks(self, r: Resident, blocks: list[int]) -> None:
+        self._changed(r)
         r.blocks = blocks
         r.blocks_np = np.array(blocks, dtype=np.int64)
         r.blocks_t = torch.from_numpy(r.blocks_np).to(self.device, non_blocking=True)
@@ -857,7 +869,7 @@ class TieredStore(KVStore):
     # residency (TierConfig.resident; `cachetier.residency`) ------------------------------------------
 
     def _set_c4(self, r: Resident, pages: list[int]) -> None:
-        r.tables_version += 1
+        self._changed(r)
         r.c4_pages = pages
         r.c4_np = np.array(pages, dtype=np.int64)
         r.c4_t = torch.from_numpy(r.c4_np).to(self.device) if pages else None
@@ -939,14 +951,16 @@ class TieredStore(KVStore):
         if new_step:
             self.residency.tick()
         room = self.residency.headroom(len(self.residents))
+        if (self._changes, self.pages.num_free, room) == self._settled:
+            return False  # nothing that decides moved since the last look found nothing to do: the common case
         if self._reclaim(room):
             return True
         kq = self.geo.c4_pages_per_block
-        if self.pages.num_free - room < kq:
-            return False  # not even a one-block request could grow: the common case at load, no scan
-        for r in sorted((r for r in self.residents.values() if r.filled and not r.c4_pages), key=lambda r: len(r.blocks)):
-            if self.pages.num_free - len(r.blocks) * kq < room or not self.make_resident(r.request_id):
-                break
+        if self.pages.num_free - room >= kq:  # else not even a one-block request could grow: no scan
+            for r in sorted((r for r in self.residents.values() if r.filled and not r.c4_pages), key=lambda r: len(r.blocks)):
+                if self.pages.num_free - len(r.blocks) * kq < room or not self.make_resident(r.request_id):
+                    break
+        self._settled = (self._changes, self.pages.num_free, room)
         return False
 
     def _c4_mode(self, residents: list[Resident], forced: str | None) -> str:

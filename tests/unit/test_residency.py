@@ -129,3 +129,38 @@ def test_growth_and_pauses_take_resident_pages_first(tiny_model):
     worker.check_integrity()
     worker.abort("a")
     assert store.pages.num_free == store.geo.num_pages
+
+
+class _CountingValues(dict):
+    """The store's residents, counting the scans over them."""
+
+    scans = 0
+
+    def values(self):
+        type(self).scans += 1
+        return super().values()
+
+
+def test_a_settled_rebalance_scans_nothing_until_something_moves(tiny_model):
+    """At low load every step rebalances: once a look found nothing to do, the next ones compare a few counts and
+    scan no request, until pages come or go or a request changes; then the scan runs again and grows who can."""
+    store = _store(tiny_model, budget=6 << 20)
+    worker = DecodeWorker(tiny_model, store, max_running=4, step_config=EAGER_STEP)
+    for i, n in enumerate((300, 280)):
+        worker.submit(_request(tiny_model, f"r{i}", n, seed=i))
+    worker.step()
+    worker.step()
+    assert all(r.c4_pages for r in store.residents.values())
+    store.drop_resident("r1")  # a request shrank: residency must look again
+    store.residents = _CountingValues(store.residents)
+    store.rebalance()
+    assert store.residents["r1"].c4_pages and _CountingValues.scans >= 1  # the scan ran and grew it back
+    scans = _CountingValues.scans
+    for _ in range(5):
+        worker.step()  # every request resident, room to spare: nothing moves
+    assert _CountingValues.scans == scans
+    worker.abort("r0")  # pages return: the next look scans again
+    worker.step()
+    assert _CountingValues.scans > scans
+    worker.abort("r1")
+    worker.check_integrity()
