@@ -26,6 +26,7 @@ and the next drafts.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -123,12 +124,6 @@ def greedy_step(model: V4Model, view: SpecBatch, n_draft: int) -> torch.Tensor:
     logits, streams = verify(model, view)
     targets = logits.view(view.requests, view.span, -1).argmax(dim=-1)
     return finish(model, view, targets, streams, n_draft)
-
-
-def _median(values) -> float:
-    s = sorted(values)
-    m = len(s) // 2
-    return s[m] if len(s) % 2 else 0.5 * (s[m - 1] + s[m])
 
 
 @dataclass
@@ -268,8 +263,8 @@ class DraftPolicy:
                     if (b.tried.get(c, 0) < self.probe if not c else c not in b.ratio)), None)
         if new is not None:  # the first probes, the plain step first (a fresh request's MTP ring is empty anyway)
             return self._start(b, new)
-        if b.choice and self.best(bucket) != b.choice:  # speculating: the acceptance moved
-            self._decide(bucket, b)
+        if b.choice and (best := self.best(bucket)) != b.choice:  # speculating: the acceptance moved
+            self._decide(bucket, b, best)
         if self.steps >= b.due:
             due = [c for c in self.could_pay(bucket) if c != b.choice
                    and self.steps - b.last_tried.get(c, 0) >= self._interval(bucket, c, b.choice)]
@@ -284,8 +279,8 @@ class DraftPolicy:
         b.run = _Run(n, b.choice, self.probe - 1)
         return n
 
-    def _decide(self, bucket: int, b: _Bucket) -> None:
-        b.choice = self.best(bucket)
+    def _decide(self, bucket: int, b: _Bucket, choice: int | None = None) -> None:
+        b.choice = self.best(bucket) if choice is None else choice
         b.interval[b.choice] = self.explore_every  # the choice: re-measured promptly once it loses
         b.due = self._next_due(bucket, b)
 
@@ -302,13 +297,13 @@ class DraftPolicy:
         run, b.run = b.run, None
         if not run.times:
             return
-        n, med = run.count, _median(run.times)
+        n, med = run.count, statistics.median(run.times)
         unit = med
         if n and b.times.get(0):
-            unit = _median(b.times[0])
+            unit = statistics.median(b.times[0])
             self._add_ratio(b, n, med / unit)
         elif not n and run.choice and b.times.get(run.choice):
-            self._add_ratio(b, run.choice, _median(b.times[run.choice]) / med)
+            self._add_ratio(b, run.choice, statistics.median(b.times[run.choice]) / med)
         if n != run.choice and (not run.choice or run.choice in b.ratio) and (not n or n in b.ratio):
             b.run_loss[n] = sum(run.times) / unit - self._choice_time(b, run.choice, run.kept)
         self._decide(bucket, b)
@@ -318,7 +313,7 @@ class DraftPolicy:
         if r is None:
             r = b.ratios[n] = deque(maxlen=self.window)
         r.append(ratio)
-        b.ratio[n] = _median(r)
+        b.ratio[n] = statistics.median(r)
 
     def _interval(self, bucket: int, n: int, choice: int) -> int:
         """Steps between re-measurements of count n while `choice` is the choice: `interval` (the plain step's only
