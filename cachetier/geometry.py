@@ -85,6 +85,12 @@ def spec_lru_floor(cfg: ModelConfig, draft_tokens: int) -> int:
     return (max(0, draft_tokens) + 1) * cfg.index_topk
 
 
+def default_lru(cfg: ModelConfig, draft_tokens: int) -> int:
+    """LRU hot-buffer slots per request and CSA layer when none are given: twice `index_topk`, so consecutive steps
+    whose selections overlap mostly hit, and never fewer than a step verifying `draft_tokens` + 1 positions needs."""
+    return max(2 * cfg.index_topk, spec_lru_floor(cfg, draft_tokens))
+
+
 def pages_for_request(group_pages: int, block_tokens: int, tokens: int) -> int:
     """Pages one request holds at `tokens` tokens: its state group plus one page per started block."""
     return group_pages + max(1, -(-tokens // block_tokens))
@@ -132,7 +138,12 @@ class Geometry:
         self.spec_tokens = tier.speculative_tokens
         """Draft tokens a step may verify per request (0: none): each verified position selects its own top-k."""
         floor = spec_lru_floor(cfg, self.spec_tokens)
-        self.lru = tier.hot_buffer_slots if tier.hot_buffer_slots is not None else max(2 * cfg.index_topk, floor)
+        self.lru = tier.hot_buffer_slots if tier.hot_buffer_slots is not None else default_lru(cfg, self.spec_tokens)
+        self.plain_lru = self.lru if tier.hot_buffer_slots is not None else min(self.lru, default_lru(cfg, 0))
+        """The LRU slots a plain step's misses may take (`kernels.resolve_ref`'s `victim_slots`): a plain step selects
+        `index_topk` entries per request, and a default buffer sized for speculative steps searches only what a store
+        without speculation would hold, so its plain step costs what theirs does (hits in the other slots still
+        count). A size the user gave is searched whole."""
         if self.offload and n_csa and self.lru < floor:
             if not self.spec_tokens:
                 raise ValueError(f"hot_buffer_slots ({self.lru}) must be at least index_topk ({cfg.index_topk}): "

@@ -294,7 +294,7 @@ class TieredBatch(DecodeKV):
         mixed = self.c4_mode == MIXED
         asked = torch.where(self.resident_rows[:, None], -1, ids) if mixed else ids  # resident rows resolve nothing
         slots = resolve(asked, self._map_rows(safe), self.hot.host.rows(self.host_blocks, safe), self.groups, hot_rows,
-                        self.arena, self.hot.layer(j))
+                        self.arena, self.hot.layer(j), g.plain_lru)
         rows = torch.where(slots >= 0, hot_rows[:, None] + slots, -1)
         if mixed:
             rows = torch.where(self.resident_rows[:, None] & valid, self._resident_rows(j, safe), rows)

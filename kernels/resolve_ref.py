@@ -16,7 +16,9 @@ Resolve, for one layer and the whole batch, given each request's selected entry 
    (if any) is evicted (its map row reset to -1); the host row is copied into the slot, which is
    stamped with `step` and recorded in `hot_entry_row`. A miss that finds no free slot (only
    possible when `lru` < distinct ids of a row) is counted but gets no slot (-1, as do its
-   duplicates) and evicts nothing;
+   duplicates) and evicts nothing. `victim_slots` limits the search to the first that many LRU slots (hits
+   anywhere are still hits and stamped): a step that selects fewer entries than the buffer holds (a plain step
+   over a buffer sized for speculative ones, `Geometry.plain_lru`) searches only as many as it could need;
 3. the result is the slot of every id (-1 for -1 padding).
 
 Static shapes, no host synchronisation, no data-dependent branch: every lane of [batch, k] does the
@@ -50,6 +52,15 @@ class HotState(NamedTuple):
     counters: torch.Tensor
 
 
+def victim_count(lru: int, victim_slots: int | None) -> int:
+    """The LRU slots a resolve searches for victims: `victim_slots` of the `lru` (None: all)."""
+    if victim_slots is None:
+        return lru
+    if not 1 <= victim_slots <= lru:
+        raise ValueError(f"victim_slots ({victim_slots}) must be in 1..{lru}, the hot buffer's LRU slots")
+    return victim_slots
+
+
 def resolve_ref(
     ids: torch.Tensor,
     map_rows: torch.Tensor,
@@ -58,6 +69,7 @@ def resolve_ref(
     hot_rows: torch.Tensor,
     kv_pool: torch.Tensor,
     state: HotState,
+    victim_slots: int | None = None,
 ) -> torch.Tensor:
     """Resolve selected entries to hot-buffer slots, copying misses in from the host pool.
 
@@ -68,11 +80,13 @@ def resolve_ref(
     kv_pool: 1-D, rows of `dim` = host_pool.shape[1] (updated in place)
     hot_entry_row: [books, lru + reserved] int64; hot_stamp: [books, lru] int64 (updated in place)
     host_pool: [host_rows_total, dim], read only; step: 0-d int64; counters: [3] int64, accumulated
+    victim_slots: how many leading LRU slots a miss may take (None: all of them)
     Returns slots [batch, k] int64.
     """
     entry_map, hot_entry_row, hot_stamp, host_pool, step, counters = state
     batch, k = ids.shape
     lru = hot_stamp.shape[1]
+    pick = victim_count(lru, victim_slots)
     dim = host_pool.shape[1]
     map_dump = entry_map.shape[0] - 1
     book_dump = hot_entry_row.shape[0] - 1
@@ -99,15 +113,15 @@ def resolve_ref(
     dup = torch.zeros_like(miss).scatter(1, order, dup_sorted)
     first = miss & ~dup
     number = torch.cumsum(first.long(), dim=1)  # [batch, k]: 1, 2, ... for the first misses in row order
-    rank = (number - 1).clamp(0, lru - 1)
+    rank = (number - 1).clamp(0, pick - 1)
 
-    stamps = hot_stamp[books]  # [batch, lru], this step's hits included
-    key = torch.where(stamps >= step, NOT_FREE, (stamps + 1) * lru + torch.arange(lru, device=stamps.device))
-    # the min(k, lru) smallest keys in order: ranks never reach past them (keys are unique per slot, so
+    stamps = hot_stamp[books, :pick]  # [batch, pick], this step's hits included
+    key = torch.where(stamps >= step, NOT_FREE, (stamps + 1) * lru + torch.arange(pick, device=stamps.device))
+    # the min(k, pick) smallest keys in order: ranks never reach past them (keys are unique per slot, so
     # the order is total)
-    key_sorted, victims_sorted = torch.topk(key, min(k, lru), dim=1, largest=False)
+    key_sorted, victims_sorted = torch.topk(key, min(k, pick), dim=1, largest=False)
     victim = victims_sorted.gather(1, rank)  # [batch, k]
-    served = number <= lru
+    served = number <= pick
     placed = first & served & (key_sorted.gather(1, rank) < NOT_FREE)
 
     old = hot_entry_row[books_k, victim]  # [batch, k], the entry each victim slot held

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.resolve_ref import HotState
+from kernels.resolve_ref import HotState, victim_count
 
 INT64_MAX = tl.constexpr(0x7FFFFFFFFFFFFFFF)  # stands for 'not free' in the victim key
 TILE = 8192
@@ -90,6 +90,7 @@ def _resolve_kernel(
     step_ptr,
     k,
     lru,
+    victims,
     width,
     BLOCK_K: tl.constexpr,
     LOG_K: tl.constexpr,
@@ -139,8 +140,8 @@ def _resolve_kernel(
     # 3. Victims: the free LRU slots in key order. The search reads the stamps written in 1 by other threads.
     tl.debug_barrier()
     offs_l = tl.arange(0, BLOCK_LRU)
-    stamps = tl.load(stamp_base + offs_l * stamp_stride_slot, mask=offs_l < lru, other=0)  # [BLOCK_LRU]
-    free = (offs_l < lru) & (stamps < step)
+    stamps = tl.load(stamp_base + offs_l * stamp_stride_slot, mask=offs_l < victims, other=0)  # [BLOCK_LRU]
+    free = (offs_l < victims) & (stamps < step)  # only the first `victims` LRU slots may be taken
     key = tl.where(free, (stamps + 1) * lru + offs_l, INT64_MAX)  # [BLOCK_LRU], unique per free slot
     free_slots = tl.sum(free.to(tl.int32))
     ordered = _bitonic_sort(key, offs_l, LOG_LRU)  # [BLOCK_LRU], the free slots' keys first
@@ -221,11 +222,13 @@ def resolve_triton(
     hot_rows: torch.Tensor,
     kv_pool: torch.Tensor,
     state: HotState,
+    victim_slots: int | None = None,
 ) -> torch.Tensor:
     """Triton twin of `resolve_ref`: same arguments, same in-place updates, returns slots [batch, k] int64."""
     entry_map, hot_entry_row, hot_stamp, host_pool, step, counters = state
     batch, k = ids.shape
     lru = hot_stamp.shape[1]
+    victims = victim_count(lru, victim_slots)
     dim = host_pool.shape[1]
     # (checked when not capturing: a CUDA graph capture allows no pointer queries)
     if kv_pool.is_cuda and not host_pool.is_cuda and not torch.cuda.is_current_stream_capturing() and not host_pool.is_pinned():
@@ -245,7 +248,7 @@ def resolve_triton(
     per_word = (word or host_pool.element_size()) // host_pool.element_size()  # elements per word
     width = dim // per_word  # words (or, converting, elements) per row
     host_strides = host_pool.stride() if per_word == 1 else (host_pool.stride(0) // per_word, 1)
-    block_k, block_lru = triton.next_power_of_2(k), triton.next_power_of_2(lru)
+    block_k, block_lru = triton.next_power_of_2(k), triton.next_power_of_2(victims)
     block_w = min(triton.next_power_of_2(width), 256)
     _resolve_kernel[(batch,)](
         ids,
@@ -267,6 +270,7 @@ def resolve_triton(
         step,
         k,
         lru,
+        victims,
         width,
         BLOCK_K=block_k,
         LOG_K=block_k.bit_length() - 1,

@@ -13,6 +13,7 @@ speculate too, with spec-off's output. The adaptive draft count and the refusals
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -23,6 +24,7 @@ from core.configs import StepConfig, TierConfig
 from core.types import SampledToken, SamplingParams
 from decode.speculative import DraftPolicy
 from decode.worker import DecodeRequest, DecodeWorker
+from kernels.resolve_ref import EVICTIONS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -202,6 +204,31 @@ def test_a_hot_buffer_too_small_for_the_union_is_refused(tiny_model):
         TieredStore(tiny_model.cfg, TierConfig(speculative_tokens=2, hot_buffer_slots=2 * k, device_budget_bytes=16 << 20))
     store = TieredStore(tiny_model.cfg, TierConfig(speculative_tokens=2, device_budget_bytes=16 << 20))
     assert store.geo.lru == 3 * k and store.geo.mtp_slots == tiny_model.cfg.sliding_window + 2
+
+
+def test_a_plain_step_searches_only_the_slots_a_store_without_speculation_has(spec_model, prompts):
+    """A default hot buffer sized for speculative steps ((N + 1) k LRU slots) is searched whole only by them: a plain
+    step's misses take victims among the first 2k (`Geometry.plain_lru`), as a store without speculation would, and
+    the other slots stay as they were. A size the user gives is searched whole."""
+    k = spec_model.cfg.index_topk
+    tier = TierConfig(speculative_tokens=N, device_budget_bytes=64 << 20, reserved_slots=2)
+    assert TieredStore(spec_model.cfg, dataclasses.replace(tier, hot_buffer_slots=5 * k)).geo.plain_lru == 5 * k
+    store = TieredStore(spec_model.cfg, tier, dtype=spec_model.dtype)
+    assert (store.geo.lru, store.geo.plain_lru) == ((N + 1) * k, 2 * k)
+    w = DecodeWorker(spec_model, store, max_running=4, step_config=StepConfig(decode_mode="eager"))
+    w.policy = None  # this worker never speculates: every step is a plain one
+    prompt = [t for p in prompts for t in p]  # ~120 C4 entries: more than the 2k slots searched
+    with torch.inference_mode():
+        logits, lay = spec_model.prefill(prompt, last_only=True)
+        w.submit(DecodeRequest.fresh("long", lay, SampledToken(int(logits[-1].argmax())), SamplingParams(max_tokens=48,
+                                                                                                         ignore_eos=True), seed=0))
+        for _ in range(40):
+            w.step()
+    group = store.residents["long"].group
+    for j in range(len(spec_model.cfg.csa_layers)):
+        stamps = store.hot.hot_stamp[j][group]
+        assert (stamps[: 2 * k] >= 0).all() and (stamps[2 * k :] == -1).all(), stamps.tolist()
+    assert sum(int(c[EVICTIONS]) for c in store.hot.counters) > 0  # the first 2k slots were taken over, not the rest
 
 
 # --- constrained, penalised and log-probability requests speculate too ------------------------------------------

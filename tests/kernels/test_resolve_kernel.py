@@ -370,12 +370,13 @@ def test_triton_matches_reference(triton_runs, name):
     _assert_same(name, replay(BY_NAME[name], resolve_ref), triton_runs[name])
 
 
-def _call(st, ids, step, resolve_fn):
+def _call(st, ids, step, resolve_fn, victim_slots=None):
     ids = torch.tensor([ids])  # [1, k]; map row = id + 2, host row = 2 * id + 1, as in `_tiny_resolve`
     slots = resolve_fn(
         ids, torch.where(ids >= 0, ids + 2, -1), torch.where(ids >= 0, 2 * ids + 1, -1), torch.tensor([0]), torch.tensor([0]),
         st["hot_kv"].view(-1),
         HotState(st["entry_map"], st["hot_entry_row"], st["hot_stamp"], st["host_pool"], torch.tensor(step), st["counters"]),
+        victim_slots,
     )  # fmt: skip
     # the scratch rows (map element 19, book 1) are where the reference's idle lanes write; leave them out
     return {"slots": slots, "entry_map": st["entry_map"][:-1], "hot_kv": st["hot_kv"][:1], "hot_entry_row": st["hot_entry_row"][:1],
@@ -405,7 +406,18 @@ def stale_hit_case(resolve_fn):
     return _call(st, [1, 6], 3, resolve_fn)
 
 
-STALE_CASES = {"stale_reassign": stale_reassign_case, "stale_hit": stale_hit_case}
+def victims_case(resolve_fn):
+    """Six LRU slots, the first two searched (a plain step over a buffer sized for speculation): entries 4 and 5 sit
+    in slots 4 and 5, the oldest; 5 hits there and is stamped; the misses 6 and 7 take slots 0 and 1 although slots 2
+    to 4 are older or never used, and entry 4 stays."""
+    st = _tiny_state(lru=6, reserved=1)
+    st["hot_entry_row"][0, :6] = torch.tensor([2, 3, -1, -1, 6, 7])
+    st["hot_stamp"][0] = torch.tensor([2, 2, -1, -1, 1, 1])
+    st["entry_map"][2], st["entry_map"][3], st["entry_map"][6], st["entry_map"][7] = 0, 1, 4, 5
+    return _call(st, [6, 5, 7], 3, resolve_fn, victim_slots=2)
+
+
+STALE_CASES = {"stale_reassign": stale_reassign_case, "stale_hit": stale_hit_case, "victims": victims_case}
 
 
 def test_reference_resets_evicted_entries_before_placing_misses():
@@ -420,6 +432,18 @@ def test_triton_matches_reference_on_stale_state(triton_runs, name):
     want, got = STALE_CASES[name](resolve_ref), triton_runs[name]
     for field, value in want.items():
         assert torch.equal(value, got[field]), f"{name}: {field} differs"
+
+
+def test_a_limited_search_takes_victims_among_the_first_slots_only():
+    got = victims_case(resolve_ref)
+    assert got["slots"].tolist() == [[0, 5, 1]]
+    assert got["hot_stamp"][0].tolist() == [3, 3, -1, -1, 1, 3]
+    assert got["entry_map"][[2, 3, 6, 7, 8, 9]].tolist() == [-1, -1, 4, 5, 0, 1]
+    assert got["counters"].tolist() == [1, 2, 2]
+    whole = _call(_tiny_state(lru=6, reserved=1), [6, 5, 7], 3, resolve_ref)  # searched whole, fresh: slots 0, 1, 2
+    assert whole["slots"].tolist() == [[0, 1, 2]]
+    with pytest.raises(ValueError, match="victim_slots"):
+        _call(_tiny_state(lru=2, reserved=1), [1], 1, resolve_ref, victim_slots=3)
 
 
 def test_overflow_leaves_the_unserved_miss_without_a_slot(triton_runs):
