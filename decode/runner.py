@@ -42,6 +42,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import statistics
 import time
 import types
 from collections.abc import Callable
@@ -662,6 +663,46 @@ class StepRunner:
                 with torch.inference_mode():
                     self._run_spec_compiled(view, span - 1)
         log.info("compiled the speculative step for spans %s (%.1fs compiling in all)", spans, self.compile_s)
+
+    def step_costs(self, spans: list[int], pairs: int = 5) -> dict[int, dict[int, float]]:
+        """Per batch bucket, what a speculative step verifying each of `spans` costs in plain steps of that bucket
+        (keyed by its draft count, span - 1), timed side by side before serving: the plain and the speculative step
+        over padding rows by turns, `pairs` times after a pair that warms, the median of one over the other's
+        (`DraftPolicy.seed`). Fixed-shape steps only, whose cost is their bucket's whatever their rows hold, at the
+        narrowest context bucket (where verifying more positions costs the least against one); {} for an eager step
+        and a replica rank (whose ranks would each time exchanges of their own). Writes only scratch, counts nothing."""
+        if not (self.fixed and self._warm) or self.replica or not spans:
+            return {}
+        sync = torch.cuda.synchronize if self.cuda else (lambda: None)
+        blocks = self.min_bucket if not self.use_graphs else self.context_buckets(self.cfg.capture_context_tokens)[0]
+        counted, out = dict(self.steps_by_bucket), {}
+        for bucket in batch_buckets(self.max_running):
+            rows = max(self.min_bucket, bucket)
+            if self.use_graphs and (rows, blocks) not in self.graphs:
+                continue
+            for span in spans:
+                if self.use_graphs and (rows, blocks, span) not in self.spec_graphs:
+                    continue
+                times: dict[int, list[float]] = {1: [], span: []}
+                for i in range(pairs + 1):
+                    for s in (1, span):
+                        sync()
+                        t0 = time.perf_counter()
+                        if s == 1:  # views are made outside inference mode, as a served step's are
+                            self._fixed(self.store.step_view([], rows, num_blocks=blocks), lambda: None)
+                        else:
+                            view = self.store.spec_view([], rows, s, num_blocks=blocks)
+                            with torch.inference_mode():
+                                self._spec_fixed(view, 0, None)
+                        sync()
+                        if i:
+                            times[s].append(time.perf_counter() - t0)
+                out.setdefault(bucket, {})[span - 1] = statistics.median(times[span]) / statistics.median(times[1])
+        self.steps_by_bucket = counted
+        if out:
+            log.info("speculative step costs in plain steps, per batch bucket: %s",
+                     {b: {n: round(c, 2) for n, c in costs.items()} for b, costs in out.items()})
+        return out
 
     def stats(self) -> StepStats:
         return StepStats(self.mode, self.compiles, round(self.compile_s, 3), len(self.graphs), round(self.capture_s, 3),

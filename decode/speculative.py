@@ -162,6 +162,9 @@ class _Bucket:
     """Steps between re-measurements of a count that is not the choice."""
     run_loss: dict[int, float] = field(default_factory=dict)
     """What a count's last measured run actually lost against the choice, in plain steps."""
+    seeds: dict[int, float] = field(default_factory=dict)
+    """Per count > 0, its cost in plain steps as timed before serving (`StepRunner.step_costs`): read only while the
+    count has no measured ratio, and only to leave unprobed a count that could not pay (`could_pay`)."""
     run: _Run | None = None
 
 
@@ -178,7 +181,8 @@ class DraftPolicy:
     speculative step's fresh time with a plain time measured long before did, both ways.
 
     Each candidate count is first tried in a run of `probe` steps per batch bucket, the plain step first (so an
-    unmeasured count is never assumed cheap). The choice changes only when something new is known: after a measured
+    unmeasured count is never assumed cheap), unless its cost timed before serving (`seed`) already says it could not
+    pay. The choice changes only when something new is known: after a measured
     run (a re-measurement gives a fresh ratio), or, while speculating, as the acceptance moves (it is learnt every
     step). A speculative count must be expected to give `margin` more than the plain step to be chosen. The counts
     that could pay (`could_pay`) but are not the choice are re-measured in runs of `probe` steps (the first of them
@@ -195,7 +199,7 @@ class DraftPolicy:
 
     def __init__(self, max_tokens: int, adaptive: bool = True, probe: int = 3, explore_every: int = 50,
                  decay: float = 0.99, counts: list[int] | None = None, window: int = 7, max_interval: int = 3200,
-                 explore_budget: float = 0.003, margin: float = 0.03) -> None:
+                 explore_budget: float = 0.001, margin: float = 0.03) -> None:
         self.max_tokens, self.adaptive = max_tokens, adaptive
         self.explore_budget = explore_budget
         """The share of the choice's time re-measurements may lose: well under the noise of a served figure."""
@@ -259,8 +263,9 @@ class DraftPolicy:
             self._close(bucket, b)  # its last steps were never recorded (they failed)
         if not b.choice and self.steps < b.due:
             return 0  # settled on the plain step until a re-measurement is due: nothing to compute
+        could = self.could_pay(bucket) if b.seeds else self.counts
         new = next((c for c in reversed(self.counts)
-                    if (b.tried.get(c, 0) < self.probe if not c else c not in b.ratio)), None)
+                    if (b.tried.get(c, 0) < self.probe if not c else c not in b.ratio and c in could)), None)
         if new is not None:  # the first probes, the plain step first (a fresh request's MTP ring is empty anyway)
             return self._start(b, new)
         if b.choice and (best := self.best(bucket)) != b.choice:  # speculating: the acceptance moved
@@ -351,10 +356,23 @@ class DraftPolicy:
 
     def could_pay(self, bucket: int) -> list[int]:
         """The counts worth re-measuring: those whose step costs less than the tokens it would keep were each
-        draft's acceptance halfway from the measured one to certain (in plain steps). A count that costs more is not
-        tried again: past the probes, speculation that does not pay costs nothing."""
-        ratio = self.buckets[bucket].ratio
-        return [n for n in self.counts if n == 0 or n not in ratio or ratio[n] < self.expected_tokens(n, optimism=0.5)]
+        draft's acceptance halfway from the measured one to certain (in plain steps; a count not measured yet, by its
+        cost timed before serving, if any). A count that costs more is not tried again: past the probes, speculation
+        that does not pay costs nothing, and a count timed before serving that could not pay is not even probed."""
+        b = self.buckets[bucket]
+        out = []
+        for n in self.counts:
+            cost = b.ratio.get(n, b.seeds.get(n))
+            if n == 0 or cost is None or cost < self.expected_tokens(n, optimism=0.5):
+                out.append(n)
+        return out
+
+    def seed(self, bucket: int, n: int, cost: float) -> None:
+        """Count n's step in `bucket` costs `cost` plain steps, as timed before serving (`StepRunner.step_costs`): a
+        count whose seed says it could not pay is never probed while it could not (the first probes of a bucket at
+        high batch cost more than anything after them); one that could is probed as before, and the measured ratio
+        replaces the seed in every decision. Nothing is chosen on a seed alone."""
+        self._bucket(bucket).seeds[n] = cost
 
     def record(self, bucket: int, n: int, seconds: float, verified: list[int] | None = None,
                accepted: list[int] | None = None, kept: float | None = None) -> None:

@@ -243,7 +243,12 @@ class DecodeWorker:
         if self.runner is not None:
             self.runner.warmup()
             if self.spec_tokens:
-                self.runner.warmup_spec([n + 1 for n in self.runner.spec_counts if n])
+                spans = [n + 1 for n in self.runner.spec_counts if n]
+                self.runner.warmup_spec(spans)
+                if self.policy.adaptive:  # counts that could not pay at a bucket are left unprobed there
+                    for bucket, costs in self.runner.step_costs(spans).items():
+                        for n, cost in costs.items():
+                            self.policy.seed(bucket, n, cost)
         self.spec_steps = 0
         self.spec_rows = 0
         """Request-steps that speculated; with `spec_kept`, the acceptance length (tokens kept per request-step)."""

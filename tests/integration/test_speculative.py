@@ -165,6 +165,21 @@ def _chi2_critical(dof: int) -> float:
 # --- the adaptive draft count ----------------------------------------------------------------------------
 
 
+def test_a_fixed_shape_worker_times_its_steps_before_serving(spec_model, prompts):
+    """Before its first request, an adaptive fixed-shape worker times the speculative step against the plain one per
+    batch bucket (`StepRunner.step_costs`) and seeds its policy with the ratios; the timing runs over padding rows
+    only, so no step, forward or eager fallback is counted, and serving gives spec-off's tokens. An eager worker
+    times nothing (its step's cost is not its bucket's)."""
+    store = TieredStore(spec_model.cfg, TierConfig(speculative_tokens=N, device_budget_bytes=64 << 20), dtype=spec_model.dtype)
+    w = DecodeWorker(spec_model, store, max_running=4,
+                     step_config=StepConfig(decode_mode="compiled", compile_backend="eager", speculative_adaptive=True))
+    seeds = {b: w.policy.buckets[b].seeds for b in w.policy.buckets}
+    assert sorted(seeds) == [1, 2, 4] and all(set(s) == {N} and s[N] > 0 for s in seeds.values()), seeds
+    assert w.runner.steps_by_bucket == {} and w.runner.idle_forwards == 0 and w.runner.eager_steps == 0
+    eager = TieredStore(spec_model.cfg, TierConfig(speculative_tokens=N, device_budget_bytes=64 << 20), dtype=spec_model.dtype)
+    assert DecodeWorker(spec_model, eager, step_config=StepConfig(decode_mode="eager")).policy.buckets == {}
+
+
 def test_the_policy_drafts_when_it_pays_and_stops_when_it_does_not():
     def settle(cost_of, kept_fraction, steps=400, bucket=8):
         p = DraftPolicy(3, adaptive=True, probe=2, explore_every=1000)
