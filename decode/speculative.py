@@ -164,7 +164,9 @@ class _Bucket:
     """What a count's last measured run actually lost against the choice, in plain steps."""
     seeds: dict[int, float] = field(default_factory=dict)
     """Per count > 0, its cost in plain steps as timed before serving (`StepRunner.step_costs`): read only while the
-    count has no measured ratio, and only to leave unprobed a count that could not pay (`could_pay`)."""
+    count has no measured ratio, and only to schedule its first probe (`seed`)."""
+    born: int | None = None
+    """The policy step the bucket first ran at: a seeded count's first probe is spaced from it."""
     run: _Run | None = None
 
 
@@ -181,17 +183,17 @@ class DraftPolicy:
     speculative step's fresh time with a plain time measured long before did, both ways.
 
     Each candidate count is first tried in a run of `probe` steps per batch bucket, the plain step first (so an
-    unmeasured count is never assumed cheap), unless its cost timed before serving (`seed`) already says it could not
-    pay. The choice changes only when something new is known: after a measured
-    run (a re-measurement gives a fresh ratio), or, while speculating, as the acceptance moves (it is learnt every
-    step). A speculative count must be expected to give `margin` more than the plain step to be chosen. The counts
-    that could pay (`could_pay`) but are not the choice are re-measured in runs of `probe` steps (the first of them
-    only makes drafts: the plain steps before made none) once their interval has passed: `explore_every` steps at
-    first, doubling each time one is re-measured and is still not chosen after (up to `max_interval`), back to
-    `explore_every` once it is chosen; the plain step every `max_interval` steps (`_interval`). Whatever the interval,
-    a re-measurement waits until the time it is expected to lose (`explore_loss`, or what its last run here actually
-    lost when that was more) is at most `explore_budget` of the choice's time over the steps since the last one:
-    past a bucket's first probes, re-measuring never costs served tokens/s more than that share.
+    unmeasured count is never assumed cheap), unless its cost timed before serving says it would lose (`seed`). The
+    choice changes only when something new is known: after a measured run (a re-measurement gives a fresh ratio),
+    or, while speculating, as the acceptance moves (it is learnt every step). A speculative count must be expected
+    to give `margin` more than the plain step to be chosen. The counts that could pay (`could_pay`) but are not the
+    choice are re-measured in runs of `probe` steps (the first of them only makes drafts: the plain steps before
+    made none) once their interval has passed: `explore_every` steps at first, doubling each time one is re-measured
+    and is still not chosen after (up to `max_interval`), back to `explore_every` once it is chosen; the plain step
+    every `max_interval` steps (`_interval`). Whatever the interval, a re-measurement waits until the time it is
+    expected to lose (`explore_loss`, or what its last run here actually lost when that was more) is at most
+    `explore_budget` of the choice's time over the steps since the last one: past a bucket's first probes,
+    re-measuring never costs served tokens/s more than that share.
 
     While the plain step is the choice and no re-measurement is due, `choose` and `record` do a few dictionary
     operations: on a CPU the step leaves the interpreter's caches cold, and the full computation cost about 1% of a
@@ -236,8 +238,8 @@ class DraftPolicy:
 
     @staticmethod
     def _unit(b: _Bucket, n: int) -> float:
-        """A step of count n in plain steps of its bucket."""
-        return b.ratio[n] if n else 1.0
+        """A step of count n in plain steps of its bucket (measured; a seeded count's seed until it is)."""
+        return (b.ratio[n] if n in b.ratio else b.seeds[n]) if n else 1.0
 
     def best(self, bucket: int) -> int:
         b = self.buckets[bucket]
@@ -255,6 +257,8 @@ class DraftPolicy:
 
     def _pick(self, bucket: int) -> int:
         b = self._bucket(bucket)
+        if b.born is None:
+            b.born = self.steps
         run = b.run
         if run is not None:
             if run.left > 0:
@@ -263,18 +267,17 @@ class DraftPolicy:
             self._close(bucket, b)  # its last steps were never recorded (they failed)
         if not b.choice and self.steps < b.due:
             return 0  # settled on the plain step until a re-measurement is due: nothing to compute
-        could = self.could_pay(bucket) if b.seeds else self.counts
         new = next((c for c in reversed(self.counts)
-                    if (b.tried.get(c, 0) < self.probe if not c else c not in b.ratio and c in could)), None)
+                    if (b.tried.get(c, 0) < self.probe if not c else self._unprobed(b, c))), None)
         if new is not None:  # the first probes, the plain step first (a fresh request's MTP ring is empty anyway)
             return self._start(b, new)
         if b.choice and (best := self.best(bucket)) != b.choice:  # speculating: the acceptance moved
             self._decide(bucket, b, best)
         if self.steps >= b.due:
             due = [c for c in self.could_pay(bucket) if c != b.choice
-                   and self.steps - b.last_tried.get(c, 0) >= self._interval(bucket, c, b.choice)]
+                   and self.steps - b.last_tried.get(c, b.born) >= self._interval(bucket, c, b.choice)]
             if due:
-                n = min(due, key=lambda c: b.last_tried.get(c, 0))
+                n = min(due, key=lambda c: b.last_tried.get(c, b.born))
                 b.interval[n] = min(2 * b.interval.get(n, self.explore_every), self.max_interval)
                 return self._start(b, n)
             b.due = self._next_due(bucket, b)
@@ -290,9 +293,9 @@ class DraftPolicy:
         b.due = self._next_due(bucket, b)
 
     def _next_due(self, bucket: int, b: _Bucket) -> int:
-        """The step from which a count that could pay is due to be re-measured (an unmeasured one at once), looked at
-        again within `explore_every` steps at the latest: what could pay follows the acceptance learnt anywhere."""
-        due = (b.last_tried.get(c, 0) + self._interval(bucket, c, b.choice) if c in b.ratio or not c else 0
+        """The step from which a count that could pay is due to be re-measured (an unmeasured, unseeded one at once),
+        looked at again within `explore_every` steps at the latest: what could pay follows the acceptance learnt anywhere."""
+        due = (0 if self._unprobed(b, c) else b.last_tried.get(c, b.born) + self._interval(bucket, c, b.choice)
                for c in self.could_pay(bucket) if c != b.choice)
         return min(min(due, default=self.steps + self.explore_every), self.steps + self.explore_every)
 
@@ -328,7 +331,7 @@ class DraftPolicy:
         actually lost, when that was more (its first step after plain ones may run cold)."""
         b = self.buckets[bucket]
         steps = self.max_interval if n == 0 else b.interval.get(n, self.explore_every)
-        if n and n not in b.ratio:
+        if n and n not in b.ratio and n not in b.seeds:
             return steps
         loss = max(self.explore_loss(bucket, n, choice), b.run_loss.get(n, 0.0))
         if loss > 0:
@@ -368,11 +371,22 @@ class DraftPolicy:
         return out
 
     def seed(self, bucket: int, n: int, cost: float) -> None:
-        """Count n's step in `bucket` costs `cost` plain steps, as timed before serving (`StepRunner.step_costs`): a
-        count whose seed says it could not pay is never probed while it could not (the first probes of a bucket at
-        high batch cost more than anything after them); one that could is probed as before, and the measured ratio
-        replaces the seed in every decision. Nothing is chosen on a seed alone."""
+        """Count n's step in `bucket` costs `cost` plain steps, as timed before serving (`StepRunner.step_costs`). It
+        schedules the count's first probe there, which at high batch is the costliest speculative run of all: at
+        once if the count would be chosen at that cost (`_pays`); if it could pay only at a higher acceptance
+        (`could_pay`), once the bucket has run long enough for the probe's expected loss to fit `explore_budget`, as
+        a re-measurement's does; never while it could not pay. Nothing is chosen on a seed alone: the probe's measured
+        ratio replaces it in every decision."""
         self._bucket(bucket).seeds[n] = cost
+
+    def _unprobed(self, b: _Bucket, n: int) -> bool:
+        """Whether count n > 0 is due for its first probe in the bucket now: never measured there, and not seeded or
+        paying at its seed."""
+        return n not in b.ratio and (n not in b.seeds or self._pays(b, n))
+
+    def _pays(self, b: _Bucket, n: int) -> bool:
+        """Whether count n would be chosen over the plain step at its cost (`_unit`) and the acceptance now."""
+        return self.expected_tokens(n) / self._unit(b, n) > 1 + self.margin
 
     def record(self, bucket: int, n: int, seconds: float, verified: list[int] | None = None,
                accepted: list[int] | None = None, kept: float | None = None) -> None:

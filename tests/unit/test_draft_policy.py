@@ -185,3 +185,16 @@ def test_a_count_left_unprobed_is_probed_once_its_acceptance_could_make_it_pay()
     _drive(p, 400, lambda n: 1.2 if n else 1.0, kept=3, bucket=1)  # now every draft is kept
     later = _drive(p, 400, lambda n: 2.6 if n else 1.0, kept=3, bucket=16)
     assert later[:100].count(3) >= p.probe and later[-100:].count(3) >= 95
+
+
+def test_a_seeded_count_that_could_pay_only_at_a_higher_acceptance_is_probed_within_the_budget():
+    """Timed at 3 plain steps where it keeps about 3 tokens, N = 3 would not be chosen (the margin), yet could pay were
+    its third draft kept more often: its first probe waits until the bucket has run long enough for the probe's
+    expected loss (about 2 plain steps) to be `explore_budget` of its time, as a re-measurement's does."""
+    p = DraftPolicy(3, counts=[0, 3])
+    _drive(p, 300, lambda n: 1.2 if n else 1.0, kept=2)  # bucket 1: the first two drafts kept, the third never
+    p.seed(16, 3, 3.0)
+    first = _drive(p, 1500, lambda n: 3.0 if n else 1.0, kept=2, bucket=16)
+    assert first.count(3) == 0 and 3 in p.could_pay(16)
+    later = _drive(p, 1500, lambda n: 3.0 if n else 1.0, kept=2, bucket=16)
+    assert p.probe <= later.count(3) <= 2 * p.probe and 3 in p.buckets[16].ratio
