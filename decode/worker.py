@@ -245,7 +245,7 @@ class DecodeWorker:
             if self.spec_tokens:
                 spans = [n + 1 for n in self.runner.spec_counts if n]
                 self.runner.warmup_spec(spans)
-                if self.policy.adaptive:  # counts that could not pay at a bucket are left unprobed there
+                if self.policy.adaptive:  # each count's first probe per bucket follows its timed cost (`DraftPolicy.seed`)
                     for bucket, costs in self.runner.step_costs(spans).items():
                         for n, cost in costs.items():
                             self.policy.seed(bucket, n, cost)
