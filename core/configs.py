@@ -63,7 +63,8 @@ class TierConfig:
     off keeps every C4 entry on the device under the same budget."""
     hot_buffer_slots: int | None = None
     """LRU slots per request and CSA layer for selected C4 entries; default 2 x index_topk, or (N + 1) x index_topk
-    when that is more (`speculative_tokens` N: each verified position selects its own top-k)."""
+    when that is more (`speculative_tokens` N: each verified position selects its own top-k), of which a plain step
+    searches the first 2 x index_topk for victims (`Geometry.plain_lru`); a size given here is searched whole."""
     reserved_slots: int = 8
     """Extra hot-buffer slots per request and CSA layer that always hold the newest C4 entries."""
     device_budget_bytes: int = 256 * 2**20
