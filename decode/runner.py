@@ -674,7 +674,7 @@ class StepRunner:
         if not (self.fixed and self._warm) or self.replica or not spans:
             return {}
         sync = torch.cuda.synchronize if self.cuda else (lambda: None)
-        blocks = self.min_bucket if not self.use_graphs else self.context_buckets(self.cfg.capture_context_tokens)[0]
+        blocks = self.min_bucket  # the narrowest context bucket (one block where graphs are captured: its first)
         counted, out = dict(self.steps_by_bucket), {}
         for bucket in batch_buckets(self.max_running):
             rows = max(self.min_bucket, bucket)

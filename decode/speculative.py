@@ -237,14 +237,19 @@ class DraftPolicy:
         return b
 
     @staticmethod
-    def _unit(b: _Bucket, n: int) -> float:
-        """A step of count n in plain steps of its bucket (measured; a seeded count's seed until it is)."""
-        return (b.ratio[n] if n in b.ratio else b.seeds[n]) if n else 1.0
+    def _unit(b: _Bucket, n: int) -> float | None:
+        """A step of count n in plain steps of its bucket: measured, a seeded count's seed until it is, None for a
+        count neither measured nor seeded there."""
+        return b.ratio.get(n, b.seeds.get(n)) if n else 1.0
+
+    def _score(self, b: _Bucket, n: int) -> float:
+        """What a step of count n gives per plain step of time, a speculative count's less the `margin` it must beat
+        the plain step (1.0) by."""
+        return self.expected_tokens(n) / self._unit(b, n) / (1 + self.margin if n else 1)
 
     def best(self, bucket: int) -> int:
         b = self.buckets[bucket]
-        return max((c for c in self.counts if not c or c in b.ratio),
-                   key=lambda c: self.expected_tokens(c) / self._unit(b, c) / (1 + self.margin if c else 1))
+        return max((c for c in self.counts if not c or c in b.ratio), key=lambda c: self._score(b, c))
 
     def choose(self, bucket: int) -> int:
         self.steps += 1
@@ -331,7 +336,7 @@ class DraftPolicy:
         actually lost, when that was more (its first step after plain ones may run cold)."""
         b = self.buckets[bucket]
         steps = self.max_interval if n == 0 else b.interval.get(n, self.explore_every)
-        if n and n not in b.ratio and n not in b.seeds:
+        if self._unit(b, n) is None:
             return steps
         loss = max(self.explore_loss(bucket, n, choice), b.run_loss.get(n, 0.0))
         if loss > 0:
@@ -363,12 +368,8 @@ class DraftPolicy:
         cost timed before serving, if any). A count that costs more is not tried again: past the probes, speculation
         that does not pay costs nothing, and a count timed before serving that could not pay is not even probed."""
         b = self.buckets[bucket]
-        out = []
-        for n in self.counts:
-            cost = b.ratio.get(n, b.seeds.get(n))
-            if n == 0 or cost is None or cost < self.expected_tokens(n, optimism=0.5):
-                out.append(n)
-        return out
+        return [n for n in self.counts
+                if n == 0 or (cost := self._unit(b, n)) is None or cost < self.expected_tokens(n, optimism=0.5)]
 
     def seed(self, bucket: int, n: int, cost: float) -> None:
         """Count n's step in `bucket` costs `cost` plain steps, as timed before serving (`StepRunner.step_costs`). It
@@ -386,7 +387,7 @@ class DraftPolicy:
 
     def _pays(self, b: _Bucket, n: int) -> bool:
         """Whether count n would be chosen over the plain step at its cost (`_unit`) and the acceptance now."""
-        return self.expected_tokens(n) / self._unit(b, n) > 1 + self.margin
+        return self._score(b, n) > self._score(b, 0)
 
     def record(self, bucket: int, n: int, seconds: float, verified: list[int] | None = None,
                accepted: list[int] | None = None, kept: float | None = None) -> None:
