@@ -13,10 +13,12 @@ On the trained built-in model with its MTP head, over held-out prompts, greedy, 
 2. throughput: decode tokens/s with speculation off, N = 3 fixed and N = 3 adaptive at each batch, through the
    compiled step (`StepConfig(decode_mode="compiled")`; the first run compiles for minutes, later ones read
    Inductor's on-disk cache), beside a twin of the off worker, all four stepped in lockstep (one step each by
-   turns, `lockstep`) for `--repeats` rounds, each serving `POOL` x batch requests with batch of them in flight;
-   served tokens/s at that concurrency over all rounds (the steps that began with batch requests unfinished, the
-   adaptive policy's probes included), the ratio on / off, the noise (how far the twin lands from off, round by
-   round) and the draft counts the adaptive policy chose; `whole_pool` gives the same over every step, the drain
+   turns, `lockstep`) for `--repeats` rounds on each of two builds of the four (`BUILDS`: the second swaps the
+   arenas and build places of off and adaptive, and of the twin and N = 3 fixed), each round serving `POOL` x
+   batch requests with batch of them in flight; served tokens/s at that concurrency over all rounds (the steps
+   that began with batch requests unfinished, the adaptive policy's probes included), the ratio on / off, each
+   build's, the noise (how far the twin lands from off, round by round) and the draft counts the adaptive policy
+   chose; `whole_pool` gives the same over every step, the drain
    once the pool runs out included;
 3. miss rate: the hot buffer's misses per request-step and per generated token at LRU sizes k, 2k, 4k
    (k = index_topk), speculation off and at every N the hot-buffer rule allows
@@ -304,51 +306,95 @@ def twin_noise(twin: list[float], base: list[float]) -> tuple[list[float], float
     return ratios, max(abs(1 - r) for r in ratios)
 
 
+BUILDS = {"off_built_first": [(name, i) for i, (name, _, _) in enumerate(THROUGHPUT_WORKERS)],
+          "off_built_last": [(name, len(THROUGHPUT_WORKERS) - 1 - i)
+                             for i, (name, _, _) in reversed(list(enumerate(THROUGHPUT_WORKERS)))]}
+"""The throughput run builds its four workers twice: in these orders, each worker with the `own_code_budget` index
+given (the second build reverses the first's order and its indices), and runs `--repeats` rounds of every batch on
+each build. Identical plain workers differ in speed by their arena's size alone: in one lockstep run, four of them a
+MiB apart ran 0.990-0.996x the one with the 64 MiB arena, which was the fastest in every run made, whatever its place
+in the build order. With one build, off always had that arena and the others were read against the luckiest
+placement. Over the two builds off and adaptive swap arenas (and the twin and N = 3 fixed theirs) and their build
+places, so the figures pool both builds and show each one."""
+
+
 def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int, repeats: int, warmup_steps: int,
                budget: int, step: StepConfig) -> dict:
     cap = max(batches)
-    workers = {}
-    for i, (name, n, adaptive) in enumerate(THROUGHPUT_WORKERS):
-        progress(f"throughput: building the {name} worker ({step.decode_mode} step"
-                 + ("; compiling, minutes from an empty Inductor cache" if step.decode_mode == "compiled" else "") + ")")
-        t0 = time.perf_counter()
-        workers[name] = make_worker(model, n, step, own_code_budget(budget, i), cap, adaptive=adaptive)
-        st = workers[name].stats()["step"]
-        progress(f"  ready in {time.perf_counter() - t0:.1f} s ({st.compiles} compiles, {st.compile_s} s compiling)")
+    spec = {name: (n, adaptive) for name, n, adaptive in THROUGHPUT_WORKERS}
     out = {"step": step.decode_mode, "compile_backend": step.compile_backend if step.decode_mode == "compiled" else None,
-           "tokens_per_request": tokens, "repeats": repeats, "warmup_steps_left_out": warmup_steps,
-           "requests_per_batch_run": f"{POOL} x batch, batch at a time",
+           "tokens_per_request": tokens, "repeats_per_build": repeats,
+           "builds": {label: [f"{name} (arena {index})" for name, index in order] for label, order in BUILDS.items()},
+           "warmup_steps_left_out": warmup_steps, "requests_per_batch_run": f"{POOL} x batch, batch at a time",
            "prompt_tokens": len(prompts[0]), "workers": {}, "by_batch": {}}
-    for name, w in workers.items():
-        st = w.stats()["step"]
-        out["workers"][name] = {"mode": st.mode, "compiles": st.compiles, "compile_s": st.compile_s}
+    names = list(spec)
+    # per batch, over both builds: each round's tokens/s, steady and whole-pool totals, steps, the adaptive choices
+    rates = {b: {name: [] for name in names} for b in batches}
+    totals = {b: {name: [0, 0.0] for name in names} for b in batches}
+    whole = {b: {name: [0, 0.0] for name in names} for b in batches}
+    steps = {b: {name: [] for name in names} for b in batches}
+    choices = {b: {} for b in batches}
+    per_order = {b: {} for b in batches}
+    kept = {name: [0, 0] for name in names}  # tokens kept, request-steps that speculated
     identical = True
+    for label, order in BUILDS.items():
+        workers = {}
+        for name, index in order:
+            n, adaptive = spec[name]
+            progress(f"throughput ({label}): building the {name} worker ({step.decode_mode} step"
+                     + ("; compiling, minutes from an empty Inductor cache" if step.decode_mode == "compiled" else "") + ")")
+            t0 = time.perf_counter()
+            workers[name] = make_worker(model, n, step, own_code_budget(budget, index), cap, adaptive=adaptive)
+            st = workers[name].stats()["step"]
+            progress(f"  ready in {time.perf_counter() - t0:.1f} s ({st.compiles} compiles, {st.compile_s} s compiling)")
+            w_out = out["workers"].setdefault(name, {"mode": st.mode, "compiles": st.compiles, "compile_s": {}, "eager_steps": 0})
+            w_out["compile_s"][label] = st.compile_s
+        for batch in batches:
+            reqs = greedy_requests(model, prompts, POOL * batch, tokens, f"b{batch}-")
+            here = {name: [0, 0.0] for name in names}
+            before = {b: dict(c) for b, c in workers["on_adaptive"].policy.choices.items()}
+            for rep in range(repeats):
+                runs = lockstep(workers, reqs, warmup_steps, in_flight=batch)
+                for name, run in runs.items():
+                    rates[batch][name].append(run.steady_tokens / run.steady_seconds)
+                    for acc in (totals[batch][name], here[name]):
+                        acc[0] += run.steady_tokens
+                        acc[1] += run.steady_seconds
+                    whole[batch][name][0] += run.timed_tokens
+                    whole[batch][name][1] += run.seconds
+                    steps[batch][name].append(run.steps)
+                    if run.tokens != runs["off"].tokens:
+                        identical = False
+                        progress(f"  batch {batch} {name} ({label}) repeat {rep + 1}: tokens differ from speculation off")
+                progress(f"throughput ({label}) batch {batch} repeat {rep + 1}/{repeats}: "
+                         + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in rates[batch].items()))
+            for bucket, counts in _choices_since(before, workers["on_adaptive"].policy.choices).items():
+                into = choices[batch].setdefault(bucket, {})
+                for n, c in counts.items():
+                    into[n] = into.get(n, 0) + c
+            served = {name: tok / sec for name, (tok, sec) in here.items()}
+            per_order[batch][label] = {**{f"tokens_per_s_{name}": round(v, 1) for name, v in served.items()},
+                                       **{f"ratio_{name}_off": round(served[name] / served["off"], 3)
+                                          for name in names if name != "off"}}
+        for name, w in workers.items():
+            st = w.stats()
+            # steps that left the compiled step for the eager one (a bucket it did not cover): 0 means every timed step
+            # was compiled
+            out["workers"][name]["eager_steps"] += st["step"].eager_steps
+            if w.spec_tokens:
+                kept[name][0] += w.spec_kept
+                kept[name][1] += w.spec_rows
+            w.close()
+    for name, (k, rows) in kept.items():
+        if rows:
+            out["workers"][name]["acceptance_length"] = round(k / rows, 4)
     for batch in batches:
-        reqs = greedy_requests(model, prompts, POOL * batch, tokens, f"b{batch}-")
-        rates: dict[str, list[float]] = {name: [] for name in workers}
-        totals = {name: [0, 0.0] for name in workers}
-        whole = {name: [0, 0.0] for name in workers}
-        steps: dict[str, list[int]] = {name: [] for name in workers}
-        before = {b: dict(c) for b, c in workers["on_adaptive"].policy.choices.items()}
-        for rep in range(repeats):
-            runs = lockstep(workers, reqs, warmup_steps, in_flight=batch)
-            for name, run in runs.items():
-                rates[name].append(run.steady_tokens / run.steady_seconds)
-                totals[name][0] += run.steady_tokens
-                totals[name][1] += run.steady_seconds
-                whole[name][0] += run.timed_tokens
-                whole[name][1] += run.seconds
-                steps[name].append(run.steps)
-                if run.tokens != runs["off"].tokens:
-                    identical = False
-                    progress(f"  batch {batch} {name} repeat {rep + 1}: tokens differ from speculation off")
-            progress(f"throughput batch {batch} repeat {rep + 1}/{repeats}: "
-                     + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in rates.items()))
-        # served tokens/s at this concurrency over every repeat (the adaptive policy's probes and re-measurements
-        # included), and over the whole pool, its drain included
-        served = {name: tok / sec for name, (tok, sec) in totals.items()}
-        pool = {name: tok / sec for name, (tok, sec) in whole.items()}
-        twin, noise = twin_noise(rates["off_twin"], rates["off"])
+        # served tokens/s at this concurrency over every round of both builds (the adaptive policy's probes and
+        # re-measurements included), and over the whole pool, its drain included
+        served = {name: tok / sec for name, (tok, sec) in totals[batch].items()}
+        pool = {name: tok / sec for name, (tok, sec) in whole[batch].items()}
+        r = rates[batch]
+        twin, noise = twin_noise(r["off_twin"], r["off"])
         out["by_batch"][str(batch)] = {
             **{f"tokens_per_s_{name}": round(v, 1) for name, v in served.items()},
             "ratio_on_n3_off": round(served["on_n3"] / served["off"], 3),
@@ -356,23 +402,17 @@ def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int,
             "ratio_off_twin_off": round(served["off_twin"] / served["off"], 3),
             "noise": round(noise, 3),
             "adaptive_within_noise_of_off": served["on_adaptive"] / served["off"] >= 1 - noise,
-            "ratio_on_adaptive_off_by_repeat": [round(a / b, 3) for a, b in zip(rates["on_adaptive"], rates["off"])],
-            "ratio_off_twin_off_by_repeat": [round(r, 3) for r in twin],
-            "steps_per_run": {name: statistics.median(v) for name, v in steps.items()},
-            "tokens_per_s_all_repeats": {name: [round(x, 1) for x in v] for name, v in rates.items()},
-            "adaptive_draft_choices": _choices_since(before, workers["on_adaptive"].policy.choices),
+            "by_build_order": per_order[batch],
+            "ratio_on_adaptive_off_by_repeat": [round(a / b, 3) for a, b in zip(r["on_adaptive"], r["off"])],
+            "ratio_off_twin_off_by_repeat": [round(x, 3) for x in twin],
+            "steps_per_run": {name: statistics.median(v) for name, v in steps[batch].items()},
+            "tokens_per_s_all_repeats": {name: [round(x, 1) for x in v] for name, v in r.items()},
+            "adaptive_draft_choices": choices[batch],
             "whole_pool": {**{f"tokens_per_s_{name}": round(v, 1) for name, v in pool.items()},
                            "ratio_on_n3_off": round(pool["on_n3"] / pool["off"], 3),
                            "ratio_on_adaptive_off": round(pool["on_adaptive"] / pool["off"], 3),
                            "ratio_off_twin_off": round(pool["off_twin"] / pool["off"], 3)},
         }
-    for name, w in workers.items():
-        st = w.stats()
-        # steps that left the compiled step for the eager one (a bucket it did not cover): 0 means every timed step was compiled
-        out["workers"][name]["eager_steps"] = st["step"].eager_steps
-        if w.spec_tokens:
-            out["workers"][name]["acceptance_length"] = st["speculation"]["acceptance_length"]
-        w.close()
     out["identical_to_off"] = identical
     return out
 
@@ -431,7 +471,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny sizes and the eager step: a smoke run")
     ap.add_argument("--batches", default=None, help="throughput batches (default 1,4,16; quick 1,2)")
     ap.add_argument("--tokens", type=int, default=None, help="tokens per request in the throughput runs (default 128)")
-    ap.add_argument("--repeats", type=int, default=None, help="lockstep rounds of the four workers per batch (default 3)")
+    ap.add_argument("--repeats", type=int, default=None, help="lockstep rounds of the four workers per batch and build order (default 3)")
     ap.add_argument("--warmup-steps", type=int, default=None, help="steps of each throughput run left out of its time")
     ap.add_argument("--prompt-tokens", type=int, default=None, help="prompt length of the acceptance and throughput runs")
     ap.add_argument("--accept-prompts", type=int, default=None)

@@ -71,6 +71,18 @@ def test_throughput_rows(result):
         pool = row["whole_pool"]
         assert pool["ratio_on_adaptive_off"] == pytest.approx(pool["tokens_per_s_on_adaptive"] / pool["tokens_per_s_off"],
                                                               rel=0.01)
+        # both builds ran (the second swaps off's and adaptive's arenas and build places) and the pooled ratios lie
+        # between theirs: a worker's arena alone moves its speed, so neither build alone is the figure
+        orders = row["by_build_order"]
+        assert set(orders) == set(th["builds"]) == {"off_built_first", "off_built_last"}
+        assert len(row["ratio_off_twin_off_by_repeat"]) == 2 * th["repeats_per_build"]
+        for key in ("on_n3", "on_adaptive", "off_twin"):
+            each = [o[f"ratio_{key}_off"] for o in orders.values()]
+            for o in orders.values():
+                assert o[f"ratio_{key}_off"] == pytest.approx(o[f"tokens_per_s_{key}"] / o["tokens_per_s_off"], rel=0.01)
+            # pooled over both (a weighted mediant of theirs; the weights differ a little where the workers' steady
+            # token counts do)
+            assert min(each) - 0.02 <= row[f"ratio_{key}_off"] <= max(each) + 0.02
         # the adaptive policy probed its candidate counts, each of them at most N = 3
         assert row["adaptive_draft_choices"] and all(0 <= int(n) <= 3 for per in row["adaptive_draft_choices"].values() for n in per)
 
