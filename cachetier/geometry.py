@@ -91,6 +91,21 @@ def default_lru(cfg: ModelConfig, draft_tokens: int) -> int:
     return max(2 * cfg.index_topk, spec_lru_floor(cfg, draft_tokens))
 
 
+HOST_PAGE_BYTES = 4096
+"""A host memory page: the stride between state groups is a whole number of them where that is cheap (`group_pages_for`)."""
+
+
+def group_pages_for(state_pages: int, page_bytes: int) -> int:
+    """Pages of one state group, which needs `state_pages` pages of `page_bytes` arena bytes: rounded up so that
+    every group starts at the same offset within a host page, when that adds at most a quarter of the group. On a CPU
+    groups that start at two offsets by turns (9 or 11 pages of 10 KiB) made the built-in model's decode step at
+    batch 16 about 1% slower than 12 pages did for a store that speculates, and 0.6% slower than 10 pages for one
+    that does not (two workers stepped by turns). Pages that are already whole host pages are never rounded."""
+    unit = HOST_PAGE_BYTES // math.gcd(page_bytes, HOST_PAGE_BYTES)  # pages per whole number of host pages
+    padded = -(-state_pages // unit) * unit
+    return padded if 4 * padded <= 5 * state_pages else state_pages
+
+
 def pages_for_request(group_pages: int, block_tokens: int, tokens: int) -> int:
     """Pages one request holds at `tokens` tokens: its state group plus one page per started block."""
     return group_pages + max(1, -(-tokens // block_tokens))
@@ -212,7 +227,7 @@ class Geometry:
         if self.mtp_slots:
             add("mtp", (self.mtp_slots, md), True)
         self.state_elems = end()
-        self.group_pages = max(1, math.ceil(self.state_elems / self.page_elems))
+        self.group_pages = group_pages_for(max(1, math.ceil(self.state_elems / self.page_elems)), self.page_elems * self.elem)
 
         # bytes: pages carry the entry->slot map with the tier; groups carry hot-buffer bookkeeping
         self.map_bytes_per_page = n_csa * self.e4 * 4 if self.offload else 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 from serving_helpers import EAGER  # noqa: E402
 
-from cachetier.geometry import BudgetTooSmall, Geometry
+from cachetier.geometry import BudgetTooSmall, Geometry, group_pages_for
 from cachetier.pages import PageAllocator
 from cachetier.store import IntegrityError, TieredStore
 from core.configs import TierConfig
@@ -34,7 +34,10 @@ def test_geometry_by_hand(tiny_model):
     state_off = 4 * 32 * 64 + 2 * per_csa + 2 * 32 * 64
     assert off.state_elems == state_off
     assert on.state_elems == state_off + 2 * 40 * 64
-    assert on.group_pages == -(-on.state_elems // 2560)
+    # 9 pages of state, rounded to 10 so that every group starts at the same offset in a host page (2 pages of 10 KiB
+    # are 5 host pages); off's 2 pages of 42 KiB are already an even count
+    assert -(-on.state_elems // 2560) == 9 and on.group_pages == 10
+    assert off.group_pages == 2
     assert on.meta_bytes_per_group == 2 * (40 * 8 + 32 * 8)
 
 
@@ -219,7 +222,8 @@ def test_estimate_admits_by_the_prompt_plus_the_estimate(tiny_model):
         assert len(r.blocks) == store.geo.blocks_for(3300 if policy == "final" else 300 + 1 + 200)
         counts[policy] = len(worker.running)
         worker.check_integrity()
-    assert counts["estimate"] > 2 * counts["final"], counts
+    # a request holds its state group (10 pages) and 13 blocks under `final`, 2 under `estimate`
+    assert counts["estimate"] > 1.8 * counts["final"], counts
     with pytest.raises(ValueError, match="reserve must be one of"):
         TierConfig(reserve="lazy")
 
@@ -292,3 +296,12 @@ def test_a_request_alone_without_room_pauses_until_a_reservation_returns_its_pag
     while worker.has_work():
         tokens += len(worker.step())
     assert store.resumes == 1 and tokens > 0 and store.pages.num_free == g.num_pages
+
+
+def test_a_state_group_is_rounded_to_whole_host_pages_only_where_that_is_cheap():
+    assert group_pages_for(9, 10240) == 10 and group_pages_for(11, 10240) == 12  # 2 pages of 10 KiB: 5 host pages
+    assert group_pages_for(10, 10240) == 10
+    assert group_pages_for(3, 4096) == 3 and group_pages_for(7, 1 << 20) == 7  # pages of whole host pages
+    assert group_pages_for(5, 10000) == 5  # 256 pages would be whole host pages: far more than a quarter over 5
+    assert group_pages_for(5, 6144) == 6 and group_pages_for(3, 6144) == 3  # 2 pages of 6 KiB: 3 host pages; 4 is a
+    # third over 3
