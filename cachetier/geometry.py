@@ -99,8 +99,9 @@ def group_pages_for(state_pages: int, page_bytes: int) -> int:
     """Pages of one state group, which needs `state_pages` pages of `page_bytes` arena bytes: rounded up so that
     every group starts at the same offset within a host page, when that adds at most a quarter of the group. On a CPU
     groups that start at two offsets by turns (9 or 11 pages of 10 KiB) made the built-in model's decode step at
-    batch 16 about 1% slower than 12 pages did for a store that speculates, and 0.6% slower than 10 pages for one
-    that does not (two workers stepped by turns). Pages that are already whole host pages are never rounded."""
+    batch 16 about 1% slower than 12 pages did for a store that speculates, and 0.6% slower than a 10-page group
+    (its hot buffer enlarged to fill it) for one that does not (two workers stepped by turns). Pages that are already
+    whole host pages are never rounded."""
     unit = HOST_PAGE_BYTES // math.gcd(page_bytes, HOST_PAGE_BYTES)  # pages per whole number of host pages
     padded = -(-state_pages // unit) * unit
     return padded if 4 * padded <= 5 * state_pages else state_pages
