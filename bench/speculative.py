@@ -318,6 +318,12 @@ placement. Over the two builds off and adaptive swap arenas (and the twin and N 
 places, so the figures pool both builds and show each one."""
 
 
+def _against_off(served: dict[str, float]) -> dict:
+    """Each worker's tokens/s and every other worker's ratio to off's (the figures of a batch, a build, a pool)."""
+    return {**{f"tokens_per_s_{name}": round(v, 1) for name, v in served.items()},
+            **{f"ratio_{name}_off": round(v / served["off"], 3) for name, v in served.items() if name != "off"}}
+
+
 def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int, repeats: int, warmup_steps: int,
                budget: int, step: StepConfig) -> dict:
     cap = max(batches)
@@ -372,10 +378,7 @@ def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int,
                 into = choices[batch].setdefault(bucket, {})
                 for n, c in counts.items():
                     into[n] = into.get(n, 0) + c
-            served = {name: tok / sec for name, (tok, sec) in here.items()}
-            per_order[batch][label] = {**{f"tokens_per_s_{name}": round(v, 1) for name, v in served.items()},
-                                       **{f"ratio_{name}_off": round(served[name] / served["off"], 3)
-                                          for name in names if name != "off"}}
+            per_order[batch][label] = _against_off({name: tok / sec for name, (tok, sec) in here.items()})
         for name, w in workers.items():
             st = w.stats()
             # steps that left the compiled step for the eager one (a bucket it did not cover): 0 means every timed step
@@ -396,10 +399,7 @@ def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int,
         r = rates[batch]
         twin, noise = twin_noise(r["off_twin"], r["off"])
         out["by_batch"][str(batch)] = {
-            **{f"tokens_per_s_{name}": round(v, 1) for name, v in served.items()},
-            "ratio_on_n3_off": round(served["on_n3"] / served["off"], 3),
-            "ratio_on_adaptive_off": round(served["on_adaptive"] / served["off"], 3),
-            "ratio_off_twin_off": round(served["off_twin"] / served["off"], 3),
+            **_against_off(served),
             "noise": round(noise, 3),
             "adaptive_within_noise_of_off": served["on_adaptive"] / served["off"] >= 1 - noise,
             "by_build_order": per_order[batch],
@@ -408,10 +408,7 @@ def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int,
             "steps_per_run": {name: statistics.median(v) for name, v in steps[batch].items()},
             "tokens_per_s_all_repeats": {name: [round(x, 1) for x in v] for name, v in r.items()},
             "adaptive_draft_choices": choices[batch],
-            "whole_pool": {**{f"tokens_per_s_{name}": round(v, 1) for name, v in pool.items()},
-                           "ratio_on_n3_off": round(pool["on_n3"] / pool["off"], 3),
-                           "ratio_on_adaptive_off": round(pool["on_adaptive"] / pool["off"], 3),
-                           "ratio_off_twin_off": round(pool["off_twin"] / pool["off"], 3)},
+            "whole_pool": _against_off(pool),
         }
     out["identical_to_off"] = identical
     return out
