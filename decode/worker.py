@@ -172,7 +172,7 @@ class _Group:
     columns, not its `_Running` objects, hold each request's last token and count (`sync` writes them back)."""
 
     __slots__ = ("ids", "runs", "params", "seeds", "slots", "tokens", "num_generated", "max_tokens", "stops", "plain",
-                 "faults", "sampling", "index", "grammars", "drafts", "speculates", "spec_sampling")
+                 "faults", "sampling", "index", "grammars", "drafts", "drafted", "speculates", "spec_sampling")
 
     def __init__(self, ids: list[str], runs: list[_Running], eos_ids: tuple[int, ...]) -> None:
         self.ids, self.runs = ids, runs
@@ -200,6 +200,8 @@ class _Group:
         self.index: torch.Tensor | None = None
         """`num_generated` on the device (the index of the token each row generates), advanced beside it."""
         self.drafts = [r.drafts for r in runs]
+        self.drafted = any(self.drafts)
+        """Whether some row holds drafts: kept beside `drafts`, so a plain step reads one flag, not every row's list."""
         self.speculates = True
         """Whether its steps may speculate: every verified position is sampled exactly as spec-off would sample it
         after the inputs before it, for every kind of request: a grammar's mask and a token history (penalties,
@@ -569,8 +571,8 @@ class DecodeWorker:
             n = self.policy.choose(spec_bucket) if span is None else span - 1  # a replica's ranks agreed on theirs
             if n > 0:
                 return self._decode_spec(g, ended, n, launch, spec_bucket, bucket)
-            if any(g.drafts):  # a plain step writes no MTP entries: these rings restart at the next one
-                g.drafts = [[] for _ in g.ids]
+            if g.drafted:  # a plain step writes no MTP entries: these rings restart at the next one
+                g.drafts, g.drafted = [[] for _ in g.ids], False
         t0 = time.perf_counter()
         try:
             logits = self.runner.run(g.ids, g.tokens, launch, bucket)
@@ -677,6 +679,7 @@ class DecodeWorker:
             g.tokens[r] = out[-1]
             g.num_generated[r] = before + len(out)
             g.drafts[r] = row[span + 1 :]
+        g.drafted = any(g.drafts)
         if kept_slots:
             self.history.extend(kept_slots, kept_params, kept_tokens)
         if g.index is not None:

@@ -198,3 +198,70 @@ def test_a_seeded_count_that_could_pay_only_at_a_higher_acceptance_is_probed_wit
     assert first.count(3) == 0 and 3 in p.could_pay(16)
     later = _drive(p, 1500, lambda n: 3.0 if n else 1.0, kept=2, bucket=16)
     assert p.probe <= later.count(3) <= 2 * p.probe and 3 in p.buckets[16].ratio
+
+
+def _mixed_run(p: DraftPolicy, steps: int = 6000) -> list[tuple[int, int]]:
+    """A long run over three buckets whose batch moves now and then (seeded), with noisy step times and an acceptance
+    that drifts: the cost per count grows with the bucket, so buckets 1 and 4 speculate (N = 1 or 2 as the acceptance
+    moves) and bucket 16 settles on plain. -> (bucket, count) of every step."""
+    import random
+
+    draw = random.Random(7)
+    bucket, out = 16, []
+    for i in range(steps):
+        if draw.random() < 0.004:
+            bucket = draw.choice([1, 4, 16, 16, 16])
+        n = p.choose(bucket)
+        cost = (1.0 + n * {1: 0.05, 4: 0.35, 16: 1.5}[bucket]) * draw.uniform(0.97, 1.03)
+        kept = 2 if (i // 1500) % 2 == 0 else 1
+        p.record(bucket, n, cost, [n] * bucket if n else None, [min(n, kept)] * bucket if n else None)
+        out.append((bucket, n))
+    return out
+
+
+def test_quiet_plain_steps_choose_and_count_as_full_ones():
+    """While the plain step is settled on, `choose` and `record` skip the per-bucket bookkeeping (`DraftPolicy._go_quiet`):
+    every choice, every count and what the bucket knows at the end are those of the same policy doing it all every
+    step, and most of a settled bucket's steps were quiet."""
+    quiet, full = DraftPolicy(3), DraftPolicy(3)
+    full._go_quiet = lambda bucket, b: None  # the full path on every step
+    went_quiet = []
+    go = quiet._go_quiet
+    quiet._go_quiet = lambda bucket, b: (go(bucket, b), went_quiet.append(quiet._quiet is not None))
+
+    assert _mixed_run(quiet) == _mixed_run(full)
+    assert quiet.choices == full.choices and quiet.steps == full.steps
+    quiet.choose(99)  # another bucket: the quiet stretch is counted in
+    full.choose(99)
+    for bucket in (1, 4, 16):
+        a, b = quiet.buckets[bucket], full.buckets[bucket]
+        known = lambda x: (x.choice, x.due, x.tried, x.last_tried, x.ratio, x.interval)  # noqa: E731
+        assert known(a) == known(b)
+    assert quiet._choices == full._choices
+    assert full.choices[16][0] > 1000 and sum(went_quiet) > 20
+
+
+def test_a_quiet_stretch_touches_no_bucket_state_and_ends_before_the_due_step():
+    """Settled on plain in bucket 16: the steps of a quiet stretch leave the bucket's times, counts and stamps as they
+    were (the skipped work), and its last `window` steps before the due one are full steps again, so the re-measurement
+    pairs with fresh plain times."""
+    p = DraftPolicy(3, counts=[0, 3])
+    _drive(p, 200, lambda n: 3.8 if n else 1.0, kept=2, bucket=16)
+    for _ in range(p.explore_every):  # a re-measurement is looked for at least every `explore_every` steps
+        if p._quiet == 16:
+            break
+        _drive(p, 1, lambda n: 3.8 if n else 1.0, kept=2, bucket=16)
+    assert p._quiet == 16
+    b = p.buckets[16]
+    before = (list(b.times[0]), dict(b.tried), dict(b.last_tried), b.due)
+    p.choose(16)
+    p.record(16, 0, 123.0)
+    assert (list(b.times[0]), dict(b.tried), dict(b.last_tried), b.due) == before
+    assert p.choices[16][0] == before[1][0] + 1  # counted all the same
+    while p.steps + 1 < p._quiet_until:
+        assert p.choose(16) == 0
+        p.record(16, 0, 1.0)
+    p.choose(16)
+    p.record(16, 0, 5.0)  # the first step after the stretch is a full one
+    assert p._quiet is None and b.times[0][-1] == 5.0
+    assert b.tried[0] == p.choices[16][0] and b.last_tried[0] == p.steps
