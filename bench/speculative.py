@@ -355,6 +355,10 @@ def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int,
             progress(f"  ready in {time.perf_counter() - t0:.1f} s ({st.compiles} compiles, {st.compile_s} s compiling)")
             w_out = out["workers"].setdefault(name, {"mode": st.mode, "compiles": st.compiles, "compile_s": {}, "eager_steps": 0})
             w_out["compile_s"][label] = st.compile_s
+            policy = workers[name].policy
+            if policy is not None and policy.adaptive:  # what its first probe per bucket follows (`DraftPolicy.seed`)
+                w_out.setdefault("seeded_costs", {})[label] = {
+                    str(b): {str(n): round(c, 3) for n, c in known.seeds.items()} for b, known in policy.buckets.items()}
         for batch in batches:
             reqs = greedy_requests(model, prompts, POOL * batch, tokens, f"b{batch}-")
             here = {name: [0, 0.0] for name in names}

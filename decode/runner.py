@@ -664,11 +664,13 @@ class StepRunner:
                     self._run_spec_compiled(view, span - 1)
         log.info("compiled the speculative step for spans %s (%.1fs compiling in all)", spans, self.compile_s)
 
-    def step_costs(self, spans: list[int], pairs: int = 5) -> dict[int, dict[int, float]]:
+    def step_costs(self, spans: list[int], pairs: int = 9) -> dict[int, dict[int, float]]:
         """Per batch bucket, what a speculative step verifying each of `spans` costs in plain steps of that bucket
         (keyed by its draft count, span - 1), timed side by side before serving: the plain and the speculative step
-        over padding rows by turns, `pairs` times after a pair that warms, the median of one over the other's
-        (`DraftPolicy.seed`). Fixed-shape steps only, whose cost is their bucket's whatever their rows hold, at the
+        over padding rows by turns, `pairs` times after a pair that warms, the median of the pairs' ratios
+        (`DraftPolicy.seed`): a stretch where the machine runs slower moves both steps of a pair. A seed above what
+        the count pays at keeps it unprobed in that bucket for as long as the exploration budget spaces its probe
+        (about 1,400 steps at batch 1). Fixed-shape steps only, whose cost is their bucket's whatever their rows hold, at the
         narrowest context bucket (where verifying more positions costs the least against one); {} for an eager step
         and a replica rank (whose ranks would each time exchanges of their own). Writes only scratch, counts nothing."""
         if not (self.fixed and self._warm) or self.replica or not spans:
@@ -697,7 +699,7 @@ class StepRunner:
                         sync()
                         if i:
                             times[s].append(time.perf_counter() - t0)
-                out.setdefault(bucket, {})[span - 1] = statistics.median(times[span]) / statistics.median(times[1])
+                out.setdefault(bucket, {})[span - 1] = statistics.median(a / b for a, b in zip(times[span], times[1]))
         self.steps_by_bucket = counted
         if out:
             log.info("speculative step costs in plain steps, per batch bucket: %s",

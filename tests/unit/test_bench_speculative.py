@@ -59,6 +59,9 @@ def test_throughput_rows(result):
     assert set(th["by_batch"]) == {"1", "2"}
     assert set(th["workers"]) == {"off", "off_twin", "on_n3", "on_adaptive"}
     assert all(w["eager_steps"] == 0 for w in th["workers"].values())
+    # the adaptive worker's costs timed before serving, per build: what each bucket's first probe followed
+    assert set(th["workers"]["on_adaptive"]["seeded_costs"]) == set(th["builds"])
+    assert all("seeded_costs" not in th["workers"][name] for name in ("off", "off_twin", "on_n3"))
     for row in th["by_batch"].values():
         for key in ("off", "off_twin", "on_n3", "on_adaptive"):
             assert row[f"tokens_per_s_{key}"] > 0
