@@ -205,11 +205,14 @@ class DraftPolicy:
 
     def __init__(self, max_tokens: int, adaptive: bool = True, probe: int = 3, explore_every: int = 50,
                  decay: float = 0.99, counts: list[int] | None = None, window: int = 7, max_interval: int = 3200,
-                 explore_budget: float = 0.001, margin: float = 0.03) -> None:
+                 explore_budget: float = 0.001, margin: float = 0.03, confirm: int = 3) -> None:
         self.max_tokens, self.adaptive = max_tokens, adaptive
         self.explore_budget = explore_budget
         """The share of the choice's time re-measurements may lose: well under the noise of a served figure."""
         self.margin = margin
+        self.confirm = confirm
+        """Measured runs a count needs in a bucket before its measured cost alone outweighs a seed that says it pays
+        (`_disputed`)."""
         """How much more a speculative count must be expected to give than the plain step to be chosen over it: both
         figures are estimates, and a marginal call that is wrong costs served tokens/s."""
         self.counts = sorted(set(counts if counts is not None else range(max_tokens + 1)), reverse=True)
@@ -376,7 +379,7 @@ class DraftPolicy:
         actually lost, when that was more (its first step after plain ones may run cold)."""
         b = self.buckets[bucket]
         steps = self.max_interval if n == 0 else b.interval.get(n, self.explore_every)
-        if self._unit(b, n) is None:
+        if self._unit(b, n) is None or self._disputed(b, n):
             return steps
         loss = max(self.explore_loss(bucket, n, choice), b.run_loss.get(n, 0.0))
         if loss > 0:
@@ -408,8 +411,8 @@ class DraftPolicy:
         cost timed before serving, if any). A count that costs more is not tried again: past the probes, speculation
         that does not pay costs nothing, and a count timed before serving that could not pay is not even probed."""
         b = self.buckets[bucket]
-        return [n for n in self.counts
-                if n == 0 or (cost := self._unit(b, n)) is None or cost < self.expected_tokens(n, optimism=0.5)]
+        return [n for n in self.counts if n == 0 or (cost := self._unit(b, n)) is None
+                or cost < self.expected_tokens(n, optimism=0.5) or self._disputed(b, n)]
 
     def seed(self, bucket: int, n: int, cost: float) -> None:
         """Count n's step in `bucket` costs `cost` plain steps, as timed before serving (`StepRunner.step_costs`). It
@@ -424,6 +427,16 @@ class DraftPolicy:
         """Whether count n > 0 is due for its first probe in the bucket now: never measured there, and not seeded or
         paying at its seed."""
         return n not in b.ratio and (n not in b.seeds or self._pays(b, n))
+
+    def _disputed(self, b: _Bucket, n: int) -> bool:
+        """Whether count n's cost timed before serving says it pays and its fewer than `confirm` measured runs say it
+        does not. A run is 3 steps against the plain steps just before it, and the first speculative steps after
+        plain ones can run cold: one such run at batch 1 kept N = 3 off for over a thousand steps where it paid
+        1.25x. A disputed count is re-measured at its plain interval, the exploration budget aside, until it has
+        `confirm` runs whose median decides; where the seed says it does not pay, nothing changes."""
+        seed = b.seeds.get(n)
+        return (seed is not None and 0 < len(b.ratios.get(n, ())) < self.confirm
+                and self.expected_tokens(n) / seed / (1 + self.margin) > 1 and not self._pays(b, n))
 
     def _pays(self, b: _Bucket, n: int) -> bool:
         """Whether count n would be chosen over the plain step at its cost (`_unit`) and the acceptance now."""

@@ -265,3 +265,32 @@ def test_a_quiet_stretch_touches_no_bucket_state_and_ends_before_the_due_step():
     p.record(16, 0, 5.0)  # the first step after the stretch is a full one
     assert p._quiet is None and b.times[0][-1] == 5.0
     assert b.tried[0] == p.choices[16][0] and b.last_tried[0] == p.steps
+
+
+def test_a_first_probe_that_ran_cold_against_a_paying_seed_is_measured_again_soon():
+    """N = 3 was timed at 1.8 plain steps before serving (it pays), but its first run in the bucket ran cold at 3.0.
+    The two disagree, so it is re-measured at its plain interval rather than after the thousands of steps the
+    exploration budget would space it by, and once its runs measure 1.5 it is the choice."""
+    p = DraftPolicy(3, counts=[0, 3])
+    p.seed(1, 3, 1.8)
+    runs = {"n": 0}
+
+    def cost(n, i):
+        if not n:
+            return 1.0
+        runs["n"] += 1
+        return 3.0 if runs["n"] <= p.probe else 1.5
+
+    chosen = _drive(p, 400, None, kept=2, first=cost)
+    assert chosen[: 2 * p.probe] == [0] * p.probe + [3] * p.probe  # plain first, then the (cold) probe
+    assert chosen[2 * p.probe] == 0  # which said it did not pay
+    assert chosen[-200:].count(3) >= 190, chosen[-200:].count(3)
+
+
+def test_a_slow_probe_where_the_seed_does_not_pay_is_not_hurried():
+    """Timed at 3.5 plain steps before serving (it does not pay) and costing 3.0: nothing disputes what is measured,
+    so runs of it stay spaced by the exploration budget, at most one in a thousand steps."""
+    p = DraftPolicy(3, counts=[0, 3])
+    p.seed(1, 3, 3.5)
+    chosen = _drive(p, 1000, lambda n: 3.0 if n else 1.0, kept=2)
+    assert chosen.count(3) <= p.probe
