@@ -210,11 +210,11 @@ class DraftPolicy:
         self.explore_budget = explore_budget
         """The share of the choice's time re-measurements may lose: well under the noise of a served figure."""
         self.margin = margin
+        """How much more a speculative count must be expected to give than the plain step to be chosen over it: both
+        figures are estimates, and a marginal call that is wrong costs served tokens/s."""
         self.confirm = confirm
         """Measured runs a count needs in a bucket before its measured cost alone outweighs a seed that says it pays
         (`_disputed`)."""
-        """How much more a speculative count must be expected to give than the plain step to be chosen over it: both
-        figures are estimates, and a marginal call that is wrong costs served tokens/s."""
         self.counts = sorted(set(counts if counts is not None else range(max_tokens + 1)), reverse=True)
         """The draft counts it chooses among (a compiled CPU step holds one graph per count: `StepRunner.spec_counts`)."""
         self.probe, self.explore_every, self.decay = probe, explore_every, decay
@@ -430,10 +430,11 @@ class DraftPolicy:
 
     def _disputed(self, b: _Bucket, n: int) -> bool:
         """Whether count n's cost timed before serving says it pays and its fewer than `confirm` measured runs say it
-        does not. A run is 3 steps against the plain steps just before it, and the first speculative steps after
-        plain ones can run cold: one such run at batch 1 kept N = 3 off for over a thousand steps where it paid
-        1.25x. A disputed count is re-measured at its plain interval, the exploration budget aside, until it has
-        `confirm` runs whose median decides; where the seed says it does not pay, nothing changes."""
+        does not. A run is `probe` steps against the plain steps just before it, and the first speculative steps after
+        plain ones can run cold; one low run would otherwise keep a paying count off for as long as the exploration
+        budget spaces its next run (in the bench, a build of adaptive served over a thousand steps at batch 1 without
+        N = 3, which paid 1.25x there). A disputed count is re-measured at its plain interval, the budget aside, until
+        it has `confirm` runs whose median decides; where the seed says it does not pay, nothing changes."""
         seed = b.seeds.get(n)
         return (seed is not None and 0 < len(b.ratios.get(n, ())) < self.confirm
                 and self.expected_tokens(n) / seed / (1 + self.margin) > 1 and not self._pays(b, n))
