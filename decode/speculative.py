@@ -228,9 +228,8 @@ class DraftPolicy:
         """The bucket whose plain steps are quiet now (`record`), or None."""
         self._quiet_until = 0
         """The policy step from which that bucket's steps are full ones again: `window` steps before its due step."""
-        self._quiet_from = 0
         self._quiet_steps = 0
-        """The step the quiet stretch began after, and its steps so far (counted in by `_settle`)."""
+        """The quiet stretch's steps so far (counted in by `_settle`)."""
 
     def alpha(self, k: int) -> float:
         return self.kept[k] / self.reached[k] if self.reached[k] > 0 else 0.0
@@ -293,7 +292,8 @@ class DraftPolicy:
 
     def _settle(self) -> None:
         """End the quiet stretch: its plain steps join the bucket's counts as if each had been chosen and recorded (their
-        times are not kept: no decision reads a plain time older than the last `window`)."""
+        times are not kept: no decision reads a plain time older than the last `window`). Called by `choose` for the
+        step after the stretch: its steps were the ones just before this one."""
         bucket, k = self._quiet, self._quiet_steps
         self._quiet, self._quiet_steps = None, 0
         if k:
@@ -301,7 +301,7 @@ class DraftPolicy:
             per = self._choices.setdefault(bucket, {})
             per[0] = per.get(0, 0) + k
             b.tried[0] = b.tried.get(0, 0) + k
-            b.last_tried[0] = self._quiet_from + k
+            b.last_tried[0] = self.steps - 1
 
     def _pick(self, bucket: int) -> int:
         b = self._bucket(bucket)
@@ -470,7 +470,7 @@ class DraftPolicy:
     def _go_quiet(self, bucket: int, b: _Bucket) -> None:
         """Settled on the plain step until a re-measurement is due: the steps before its last `window` are quiet."""
         if self.steps + 1 < b.due - self.window:
-            self._quiet, self._quiet_until, self._quiet_from = bucket, b.due - self.window, self.steps
+            self._quiet, self._quiet_until = bucket, b.due - self.window
 
     def _learn(self, verified: list[int], accepted: list[int]) -> None:
         """One step's rows, all at once: per draft position, the rows that looked at it (the drafts before it kept)
