@@ -1,6 +1,6 @@
 """Speculative decoding with the MTP head, measured side by side in one run (prints one JSON object).
 
-    python -m bench.speculative [--quick] [--batches 1,4,16] [--tokens 128] [--repeats 3]
+    python -m bench.speculative [--quick] [--batches 1,4,16] [--tokens 128] [--repeats 3] [--builds 4]
                                 [--accept-prompts 8] [--accept-tokens 256]
                                 [--miss-prompts 4] [--miss-context 1536] [--miss-tokens 256]
                                 [--step compiled|eager] [--compile-backend inductor|eager] [--threads N]
@@ -12,14 +12,15 @@ On the trained built-in model with its MTP head, over held-out prompts, greedy, 
    tokens draft from a partial ring), and the kept rate of each draft position;
 2. throughput: decode tokens/s with speculation off, N = 3 fixed and N = 3 adaptive at each batch, through the
    compiled step (`StepConfig(decode_mode="compiled")`; the first run compiles for minutes, later ones read
-   Inductor's on-disk cache), beside a twin of the off worker, all four stepped in lockstep (one step each by
-   turns, `lockstep`) for `--repeats` rounds on each of two builds of the four (`BUILDS`: the second swaps the
-   arenas and build places of off and adaptive, and of the twin and N = 3 fixed), each round serving `POOL` x
-   batch requests with batch of them in flight; served tokens/s at that concurrency over all rounds (the steps
-   that began with batch requests unfinished, the adaptive policy's probes included), the ratio on / off, each
-   build's, the noise (how far the twin lands from off, round by round) and the draft counts the adaptive policy
-   chose; `whole_pool` gives the same over every step, the drain
-   once the pool runs out included;
+   Inductor's on-disk cache), beside a twin of the off worker. Each worker runs in a process of its own
+   (`WorkerProcess`), as a decode actor does; the four are stepped in lockstep (one step each by turns,
+   `lockstep`). Every batch runs `--repeats` rounds on each of `--builds` builds of the four in fresh processes
+   (`build_plan`: the orders alternate, swapping the arenas and build places of off and adaptive, and of the twin
+   and N = 3 fixed). A round serves `POOL` x batch requests with batch of them in flight. Reported: served
+   tokens/s at that concurrency over all rounds (the steps that began with batch requests unfinished, the
+   adaptive policy's probes included), the ratio on / off, each build's, the noise (how far the twin lands from
+   off, round by round), the draft counts the adaptive policy chose and what its measured runs gave;
+   `whole_pool` gives the same over every step, the drain once the pool runs out included;
 3. miss rate: the hot buffer's misses per request-step and per generated token at LRU sizes k, 2k, 4k
    (k = index_topk), speculation off and at every N the hot-buffer rule allows
    (`cachetier.geometry.spec_lru_floor`: B >= (N + 1) k);
@@ -239,53 +240,194 @@ def own_code_budget(budget: int, index: int) -> int:
     return budget + (index << 20)
 
 
-def lockstep(workers: dict, requests: list, warmup_steps: int, in_flight: int | None = None) -> dict[str, Run]:
-    """Give every worker copies of `requests` and step them by turns, one step each in a round, until all finish: the
-    workers share whatever else the machine does step by step, so their ratio is not moved by drift between whole
-    runs. The order is drawn afresh every round (seeded; no worker steps twice in a row), so each worker follows
-    every other equally often: a step runs faster right after one that ran the same machine code (its instructions
-    still cached), and with a fixed cyclic order the worker that always followed its own twin gained 1-2% over
-    the rest (give each worker code of its own too: `own_code_budget`). `in_flight`: each worker is given that many
-    at first and the next one as each finishes, so it serves a steady concurrency rather than a batch that drains
-    (None: all at once). Each worker's time and tokens leave out its first `warmup_steps` steps; its steady figures,
-    those of the steps that began with `in_flight` requests unfinished: once the requests run out, a worker whose
-    rows finished at different steps (speculation keeps different token counts per row) drains through steps of fewer
-    rows at the same bucket's cost, which an open workload, whose next request is always waiting, never pays."""
-    names = list(workers)
-    first = len(requests) if in_flight is None else min(in_flight, len(requests))
+Event = tuple[str, int, bool]
+"""A step's token for one request: (request id, token id, whether the request finished with it)."""
+
+
+class LocalLane:
+    """A worker of this process as a `lockstep` lane: `requests` by id, each given as a copy (the worker writes
+    into its layout), each step timed around `DecodeWorker.step`."""
+
+    def __init__(self, worker, requests: list) -> None:
+        self.worker = worker
+        self.requests = {r.request_id: r for r in requests}
+
+    def give(self, request_id: str) -> None:
+        r = self.requests[request_id]
+        self.worker.submit(dataclasses.replace(r, layout=r.layout.clone()))
+
+    def has_work(self) -> bool:
+        return self.worker.has_work()
+
+    def timed_step(self) -> tuple[float, list[Event], int]:
+        """One step: (its seconds, its tokens, the requests running after it)."""
+        t0 = time.perf_counter()
+        events = self.worker.step()
+        dt = time.perf_counter() - t0
+        return dt, [(ev.request_id, ev.token.token_id, bool(ev.finish_reason)) for ev in events], len(self.worker.running)
+
+
+def _lane_state(worker, build_s: float | None = None) -> dict:
+    """What the throughput run reads of a worker in its own process: its step's stats, its speculation counters,
+    and the adaptive policy's choices, seeds and measured costs per bucket."""
+    out = {"step": dataclasses.asdict(worker.runner.stats()), "spec_tokens": worker.spec_tokens,
+           "spec_kept": worker.spec_kept, "spec_rows": worker.spec_rows}
+    if build_s is not None:
+        out["build_s"] = build_s
+    policy = worker.policy
+    if policy is not None and policy.adaptive:
+        out["choices"] = {b: dict(c) for b, c in policy.choices.items()}
+        out["seeded_costs"] = {str(b): {str(n): round(c, 3) for n, c in known.seeds.items()}
+                               for b, known in policy.buckets.items()}
+        # per bucket: the count it serves with, and each count's measured runs (paired ratios, oldest first): what
+        # its choices followed
+        out["measured"] = {str(b): {"choice": known.choice,
+                                    "ratios": {str(n): [round(r, 3) for r in rs] for n, rs in sorted(known.ratios.items())},
+                                    "steps": {str(n): c for n, c in sorted(known.tried.items())}}
+                           for b, known in sorted(policy.buckets.items())}
+    return out
+
+
+def _lane_main(conn, spec: dict) -> None:
+    """A `WorkerProcess`'s process: load the trained model, build the worker, then answer the parent's calls
+    (`requests`, `give`, `step`, `state`, `close`) until it closes; an error goes back as its traceback."""
+    import traceback
+
+    try:
+        if spec["threads"]:
+            torch.set_num_threads(spec["threads"])
+        t0 = time.perf_counter()
+        model, _ = _model_and_tokenizer()
+        worker = make_worker(model, spec["draft_tokens"], spec["step"], spec["budget"], spec["max_running"],
+                             adaptive=spec["adaptive"])
+        conn.send(("ok", _lane_state(worker, time.perf_counter() - t0)))
+        lane = None
+        while True:
+            call, *args = conn.recv()
+            if call == "requests":
+                requests = greedy_requests(model, *args)
+                lane = LocalLane(worker, requests)
+                conn.send(("ok", [r.request_id for r in requests]))
+            elif call == "give":
+                lane.give(args[0])
+                conn.send(("ok", None))
+            elif call == "step":
+                dt, events, running = lane.timed_step()
+                conn.send(("ok", (dt, events, running, worker.has_work())))
+            elif call == "state":
+                conn.send(("ok", _lane_state(worker)))
+            elif call == "close":
+                worker.close()
+                conn.send(("ok", None))
+                return
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+
+
+class WorkerProcess:
+    """A bench worker (`make_worker` over the trained model) in a process of its own, as a decode actor holds
+    one, and a `lockstep` lane stepped from this process through a pipe, each step timed where it runs. Workers
+    sharing one process run at speeds set by where each one's memory landed: in one process, five identical plain
+    workers at batch 16 differed by up to 1.1%, the first one built the fastest whatever its arena; the two builds
+    swapping places did not cancel it. Here every worker is the first and only one of its process."""
+
+    def __init__(self, ctx, name: str, **spec) -> None:
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_lane_main, args=(child, spec), daemon=True, name=f"bench-{name}")
+        self.proc.start()
+        child.close()
+        self._work = False
+        self._built: dict | None = None
+
+    def _call(self, *message):
+        if message:
+            self.conn.send(message)
+        try:
+            kind, value = self.conn.recv()
+        except EOFError:
+            self.proc.join(5)
+            raise SystemExit(f"the {self.name} worker's process ended (exit code {self.proc.exitcode})") from None
+        if kind == "error":
+            raise SystemExit(f"the {self.name} worker failed in its process:\n{value}")
+        return value
+
+    def ready(self) -> dict:
+        """Wait for the worker's build: its `_lane_state` then, `build_s` included."""
+        if self._built is None:
+            self._built = self._call()
+        return self._built
+
+    def requests(self, prompts: list[list[int]], count: int, tokens: int, tag: str) -> list[str]:
+        """Prefill `count` greedy requests there (`greedy_requests`) for the next run: their ids."""
+        return self._call("requests", prompts, count, tokens, tag)
+
+    def give(self, request_id: str) -> None:
+        self._call("give", request_id)
+        self._work = True
+
+    def has_work(self) -> bool:
+        return self._work
+
+    def timed_step(self) -> tuple[float, list[Event], int]:
+        dt, events, running, self._work = self._call("step")
+        return dt, events, running
+
+    def state(self) -> dict:
+        return self._call("state")
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self._call("close")
+        self.proc.join()
+
+
+def lockstep(lanes: dict, request_ids: list[str], warmup_steps: int, in_flight: int | None = None) -> dict[str, Run]:
+    """Give every lane (`LocalLane`, `WorkerProcess`) the requests `request_ids` and step the lanes by turns, one
+    step each in a round, until all finish: the workers share whatever else the machine does step by step, so their
+    ratio is not moved by drift between whole runs. The order is drawn afresh every round (seeded; no worker steps
+    twice in a row), so each worker follows every other equally often: a step runs faster right after one that ran
+    the same machine code (its instructions still cached), and with a fixed cyclic order the worker that always
+    followed its own twin gained 1-2% over the rest (give each worker code of its own too: `own_code_budget`).
+    `in_flight`: each worker is given that many at first and the next one as each finishes, so it serves a steady
+    concurrency rather than a batch that drains (None: all at once). Each worker's time and tokens leave out its
+    first `warmup_steps` steps; its steady figures, those of the steps that began with `in_flight` requests
+    unfinished: once the requests run out, a worker whose rows finished at different steps (speculation keeps
+    different token counts per row) drains through steps of fewer rows at the same bucket's cost, which an open
+    workload, whose next request is always waiting, never pays."""
+    names = list(lanes)
+    first = len(request_ids) if in_flight is None else min(in_flight, len(request_ids))
     given = {n: 0 for n in names}
     done = {n: 0 for n in names}
     steady = {n: [0, 0.0] for n in names}
 
     def give(n: str, count: int) -> None:
-        for r in requests[given[n] : given[n] + count]:
-            workers[n].submit(dataclasses.replace(r, layout=r.layout.clone()))
-        given[n] = min(len(requests), given[n] + count)
+        for rid in request_ids[given[n] : given[n] + count]:
+            lanes[n].give(rid)
+        given[n] = min(len(request_ids), given[n] + count)
 
     for n in names:
         give(n, first)
-    tokens = {n: {r.request_id: [] for r in requests} for n in names}
+    tokens = {n: {rid: [] for rid in request_ids} for n in names}
     steps, seconds, timed = ({n: 0 for n in names}, {n: 0.0 for n in names}, {n: 0 for n in names})
     draw = random.Random(0)
     order = list(names)
-    while any(w.has_work() for w in workers.values()):
+    while any(lane.has_work() for lane in lanes.values()):
         last = order[-1]
         while True:
             draw.shuffle(order)
             if len(order) == 1 or order[0] != last:
                 break
         for n in order:
-            w = workers[n]
-            if not w.has_work():
+            lane = lanes[n]
+            if not lane.has_work():
                 continue
-            t0 = time.perf_counter()
-            events = w.step()
-            dt = time.perf_counter() - t0
-            finished = sum(1 for ev in events if ev.finish_reason)
-            if steps[n] == 0 and len(w.running) + finished < first:
-                raise SystemExit(f"only {len(w.running)} of {first} requests were admitted: raise --budget")
-            for ev in events:
-                tokens[n][ev.request_id].append(ev.token.token_id)
+            dt, events, running = lane.timed_step()
+            finished = sum(1 for _, _, end in events if end)
+            if steps[n] == 0 and running + finished < first:
+                raise SystemExit(f"only {running} of {first} requests were admitted: raise --budget")
+            for rid, token, _ in events:
+                tokens[n][rid].append(token)
             steps[n] += 1
             if steps[n] > warmup_steps:
                 seconds[n] += dt
@@ -309,13 +451,24 @@ def twin_noise(twin: list[float], base: list[float]) -> tuple[list[float], float
 BUILDS = {"off_built_first": [(name, i) for i, (name, _, _) in enumerate(THROUGHPUT_WORKERS)],
           "off_built_last": [(name, len(THROUGHPUT_WORKERS) - 1 - i)
                              for i, (name, _, _) in reversed(list(enumerate(THROUGHPUT_WORKERS)))]}
-"""The throughput run builds its four workers twice: in these orders, each worker with the `own_code_budget` index
-given (the second build reverses the first's order and its indices), and runs `--repeats` rounds of every batch on
-each build. Identical plain workers differ in speed by their arena's size alone: in one lockstep run, four of them a
-MiB apart ran 0.990-0.996x the one with the 64 MiB arena, which was the fastest in every run made, whatever its place
-in the build order. With one build, off always had that arena and the others were read against the luckiest
-placement. Over the two builds off and adaptive swap arenas (and the twin and N = 3 fixed theirs) and their build
-places, so the figures pool both builds and show each one."""
+"""The two orders the throughput run builds its four workers in, each worker with the `own_code_budget` index given
+(the second reverses the first's order and its indices): over the two, off and adaptive swap arenas (and the twin
+and N = 3 fixed theirs) and build places (`build_plan`)."""
+
+
+def build_plan(count: int) -> list[tuple[str, list[tuple[str, int]]]]:
+    """`count` builds of the four workers, alternating the `BUILDS` orders, each labelled by its order (and, from
+    the second time an order comes round, its round). Every build starts fresh processes (`WorkerProcess`), and
+    `--repeats` rounds of every batch run on each. A worker's process sets where its memory lands, and that moves
+    its speed for as long as the process lives: in one run, identical plain workers in processes of their own ran
+    1-2% apart, and which of them was faster changed from one run to the next. More builds average more placements;
+    the twin's distance from off (the noise) carries the same spread."""
+    orders = list(BUILDS.items())
+    plan = []
+    for i in range(count):
+        label, order = orders[i % len(orders)]
+        plan.append((label if i < len(orders) else f"{label}_{i // len(orders) + 1}", order))
+    return plan
 
 
 def _against_off(served: dict[str, float]) -> dict:
@@ -324,13 +477,17 @@ def _against_off(served: dict[str, float]) -> dict:
             **{f"ratio_{name}_off": round(v / served["off"], 3) for name, v in served.items() if name != "off"}}
 
 
-def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int, repeats: int, warmup_steps: int,
-               budget: int, step: StepConfig) -> dict:
+def throughput(prompts: list[list[int]], batches: list[int], tokens: int, repeats: int, warmup_steps: int,
+               budget: int, step: StepConfig, threads: int | None, builds: int = 2) -> dict:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
     cap = max(batches)
     spec = {name: (n, adaptive) for name, n, adaptive in THROUGHPUT_WORKERS}
     out = {"step": step.decode_mode, "compile_backend": step.compile_backend if step.decode_mode == "compiled" else None,
            "tokens_per_request": tokens, "repeats_per_build": repeats,
-           "builds": {label: [f"{name} (arena {index})" for name, index in order] for label, order in BUILDS.items()},
+           "builds": {label: [f"{name} (arena {index})" for name, index in order] for label, order in build_plan(builds)},
+           "workers_in": "a process each (WorkerProcess), stepped by turns from the bench's",
            "warmup_steps_left_out": warmup_steps, "requests_per_batch_run": f"{POOL} x batch, batch at a time",
            "prompt_tokens": len(prompts[0]), "workers": {}, "by_batch": {}}
     names = list(spec)
@@ -343,55 +500,64 @@ def throughput(model, prompts: list[list[int]], batches: list[int], tokens: int,
     per_order = {b: {} for b in batches}
     kept = {name: [0, 0] for name in names}  # tokens kept, request-steps that speculated
     identical = True
-    for label, order in BUILDS.items():
-        workers = {}
-        for name, index in order:
-            n, adaptive = spec[name]
-            progress(f"throughput ({label}): building the {name} worker ({step.decode_mode} step"
-                     + ("; compiling, minutes from an empty Inductor cache" if step.decode_mode == "compiled" else "") + ")")
-            t0 = time.perf_counter()
-            workers[name] = make_worker(model, n, step, own_code_budget(budget, index), cap, adaptive=adaptive)
-            st = workers[name].stats()["step"]
-            progress(f"  ready in {time.perf_counter() - t0:.1f} s ({st.compiles} compiles, {st.compile_s} s compiling)")
-            w_out = out["workers"].setdefault(name, {"mode": st.mode, "compiles": st.compiles, "compile_s": {}, "eager_steps": 0})
-            w_out["compile_s"][label] = st.compile_s
-            policy = workers[name].policy
-            if policy is not None and policy.adaptive:  # what its first probe per bucket follows (`DraftPolicy.seed`)
-                w_out.setdefault("seeded_costs", {})[label] = {
-                    str(b): {str(n): round(c, 3) for n, c in known.seeds.items()} for b, known in policy.buckets.items()}
-        for batch in batches:
-            reqs = greedy_requests(model, prompts, POOL * batch, tokens, f"b{batch}-")
-            here = {name: [0, 0.0] for name in names}
-            before = {b: dict(c) for b, c in workers["on_adaptive"].policy.choices.items()}
-            for rep in range(repeats):
-                runs = lockstep(workers, reqs, warmup_steps, in_flight=batch)
-                for name, run in runs.items():
-                    rates[batch][name].append(run.steady_tokens / run.steady_seconds)
-                    for acc in (totals[batch][name], here[name]):
-                        acc[0] += run.steady_tokens
-                        acc[1] += run.steady_seconds
-                    whole[batch][name][0] += run.timed_tokens
-                    whole[batch][name][1] += run.seconds
-                    steps[batch][name].append(run.steps)
-                    if run.tokens != runs["off"].tokens:
-                        identical = False
-                        progress(f"  batch {batch} {name} ({label}) repeat {rep + 1}: tokens differ from speculation off")
-                progress(f"throughput ({label}) batch {batch} repeat {rep + 1}/{repeats}: "
-                         + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in rates[batch].items()))
-            for bucket, counts in _choices_since(before, workers["on_adaptive"].policy.choices).items():
-                into = choices[batch].setdefault(bucket, {})
-                for n, c in counts.items():
-                    into[n] = into.get(n, 0) + c
-            per_order[batch][label] = _against_off({name: tok / sec for name, (tok, sec) in here.items()})
-        for name, w in workers.items():
-            st = w.stats()
-            # steps that left the compiled step for the eager one (a bucket it did not cover): 0 means every timed step
-            # was compiled
-            out["workers"][name]["eager_steps"] += st["step"].eager_steps
-            if w.spec_tokens:
-                kept[name][0] += w.spec_kept
-                kept[name][1] += w.spec_rows
-            w.close()
+    for label, order in build_plan(builds):
+        progress(f"throughput ({label}): starting the workers' processes ({step.decode_mode} step"
+                 + ("; compiling, minutes from an empty Inductor cache" if step.decode_mode == "compiled" else "") + ")")
+        lanes = {}
+        try:
+            # one at a time where a worker times its steps' costs as it is built (the seeds of a fixed-shape step)
+            at_once = step.decode_mode == "eager"
+            for name, index in order:
+                lanes[name] = WorkerProcess(ctx, name, draft_tokens=spec[name][0], adaptive=spec[name][1], step=step,
+                                            budget=own_code_budget(budget, index), max_running=cap, threads=threads)
+                if not at_once:
+                    lanes[name].ready()
+            for name, lane in lanes.items():
+                st = lane.ready()
+                progress(f"  {name} ready in {st['build_s']:.1f} s ({st['step']['compiles']} compiles, "
+                         f"{st['step']['compile_s']:.1f} s compiling)")
+                w_out = out["workers"].setdefault(name, {"mode": st["step"]["mode"], "compiles": st["step"]["compiles"],
+                                                         "compile_s": {}, "eager_steps": 0})
+                w_out["compile_s"][label] = round(st["step"]["compile_s"], 2)
+                if "seeded_costs" in st:  # what the adaptive policy's first probe per bucket follows (`DraftPolicy.seed`)
+                    w_out.setdefault("seeded_costs", {})[label] = st["seeded_costs"]
+            for batch in batches:
+                ids = {name: lane.requests(prompts, POOL * batch, tokens, f"b{batch}-") for name, lane in lanes.items()}
+                here = {name: [0, 0.0] for name in names}
+                before = lanes["on_adaptive"].state()["choices"]
+                for rep in range(repeats):
+                    runs = lockstep(lanes, ids["off"], warmup_steps, in_flight=batch)
+                    for name, run in runs.items():
+                        rates[batch][name].append(run.steady_tokens / run.steady_seconds)
+                        for acc in (totals[batch][name], here[name]):
+                            acc[0] += run.steady_tokens
+                            acc[1] += run.steady_seconds
+                        whole[batch][name][0] += run.timed_tokens
+                        whole[batch][name][1] += run.seconds
+                        steps[batch][name].append(run.steps)
+                        if run.tokens != runs["off"].tokens:
+                            identical = False
+                            progress(f"  batch {batch} {name} ({label}) repeat {rep + 1}: tokens differ from speculation off")
+                    progress(f"throughput ({label}) batch {batch} repeat {rep + 1}/{repeats}: "
+                             + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in rates[batch].items()))
+                for bucket, counts in _choices_since(before, lanes["on_adaptive"].state()["choices"]).items():
+                    into = choices[batch].setdefault(bucket, {})
+                    for n, c in counts.items():
+                        into[n] = into.get(n, 0) + c
+                per_order[batch][label] = _against_off({name: tok / sec for name, (tok, sec) in here.items()})
+            for name, lane in lanes.items():
+                st = lane.state()
+                # steps that left the compiled step for the eager one (a bucket it did not cover): 0 means every
+                # timed step was compiled
+                out["workers"][name]["eager_steps"] += st["step"]["eager_steps"]
+                if st["spec_tokens"]:
+                    kept[name][0] += st["spec_kept"]
+                    kept[name][1] += st["spec_rows"]
+                if "measured" in st:
+                    out["workers"][name].setdefault("measured", {})[label] = st["measured"]
+        finally:
+            for lane in lanes.values():
+                lane.close()
     for name, (k, rows) in kept.items():
         if rows:
             out["workers"][name]["acceptance_length"] = round(k / rows, 4)
@@ -472,7 +638,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny sizes and the eager step: a smoke run")
     ap.add_argument("--batches", default=None, help="throughput batches (default 1,4,16; quick 1,2)")
     ap.add_argument("--tokens", type=int, default=None, help="tokens per request in the throughput runs (default 128)")
-    ap.add_argument("--repeats", type=int, default=None, help="lockstep rounds of the four workers per batch and build order (default 3)")
+    ap.add_argument("--repeats", type=int, default=None, help="lockstep rounds of the four workers per batch and build (default 3)")
+    ap.add_argument("--builds", type=int, default=None,
+                    help="builds of the four workers in fresh processes, alternating two orders (default 4; quick 2)")
     ap.add_argument("--warmup-steps", type=int, default=None, help="steps of each throughput run left out of its time")
     ap.add_argument("--prompt-tokens", type=int, default=None, help="prompt length of the acceptance and throughput runs")
     ap.add_argument("--accept-prompts", type=int, default=None)
@@ -519,8 +687,9 @@ def main(argv: list[str] | None = None) -> None:
     out["acceptance"] = acceptance(model, a_prompts, pick(a.accept_tokens, 256, 40), budget, EAGER_STEP)
 
     t_prompts = [ids for _, ids in held_out_prompts(tok, max(batches), prompt_len)]
-    out["throughput"] = throughput(model, t_prompts, batches, pick(a.tokens, 128, 16), pick(a.repeats, 3, 1),
-                                   pick(a.warmup_steps, 4, 1), budget, through_step)
+    out["throughput"] = throughput(t_prompts, batches, pick(a.tokens, 128, 16), pick(a.repeats, 3, 1),
+                                   pick(a.warmup_steps, 4, 1), budget, through_step,
+                                   a.threads or torch.get_num_threads(), pick(a.builds, 4, 2))
 
     m_prompts = [ids for _, ids in held_out_prompts(tok, pick(a.miss_prompts, 4, 2), pick(a.miss_context, 1536, 160))]
     out["miss_rate"] = miss_rate(model, m_prompts, pick(a.miss_tokens, 256, 24), pick(a.miss_warmup_tokens, 32, 8), budget,

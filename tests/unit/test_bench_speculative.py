@@ -4,10 +4,8 @@ with the worker's own counters, the hot-buffer rule decides which (B, N) ran, an
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import io
 import json
-import types
 
 import pytest
 import torch
@@ -62,6 +60,17 @@ def test_throughput_rows(result):
     # the adaptive worker's costs timed before serving, per build: what each bucket's first probe followed
     assert set(th["workers"]["on_adaptive"]["seeded_costs"]) == set(th["builds"])
     assert all("seeded_costs" not in th["workers"][name] for name in ("off", "off_twin", "on_n3"))
+    # each worker ran in a process of its own; the adaptive one reported, per build and bucket, the choice it ended on
+    # and the paired ratios its measured runs gave (at most `window` kept per count), each count's steps beside them
+    assert th["workers_in"].startswith("a process each")
+    measured = th["workers"]["on_adaptive"]["measured"]
+    assert set(measured) == set(th["builds"])
+    for per_bucket in measured.values():
+        assert set(per_bucket) <= {"1", "2"} and per_bucket
+        for known in per_bucket.values():
+            assert 0 <= known["choice"] <= 3 and known["ratios"]
+            assert all(0 < len(rs) <= 7 and all(r > 0 for r in rs) for rs in known["ratios"].values())
+            assert all(known["steps"][n] >= 3 for n in known["ratios"])  # each ratio came from a run of `probe` steps
     for row in th["by_batch"].values():
         for key in ("off", "off_twin", "on_n3", "on_adaptive"):
             assert row[f"tokens_per_s_{key}"] > 0
@@ -111,61 +120,57 @@ def test_miss_rate_follows_the_hot_buffer_rule(result):
                     assert fig["tokens"] >= fig["request_steps"]
 
 
-@dataclasses.dataclass
-class _Layout:
-    def clone(self) -> _Layout:
-        return self
-
-
-@dataclasses.dataclass
-class _Req:
-    request_id: str
-    layout: _Layout
-    tokens: int
-
-
 class _Lanes:
-    """A stand-in worker: every running request gains one token a step, except on step `burst`, where every one but
+    """A stand-in lane: every running request gains one token a step, except on step `burst`, where every one but
     the first gains three (a speculative step that keeps drafts for most rows)."""
 
-    def __init__(self, burst: int | None) -> None:
-        self.burst, self.steps, self.queue, self.running, self.rows = burst, 0, [], {}, []
+    def __init__(self, tokens: int, burst: int | None) -> None:
+        self.tokens, self.burst, self.steps, self.queue, self.running, self.rows = tokens, burst, 0, [], {}, []
 
-    def submit(self, req: _Req) -> None:
-        self.queue.append(req)
+    def give(self, request_id: str) -> None:
+        self.queue.append(request_id)
 
     def has_work(self) -> bool:
         return bool(self.queue or self.running)
 
-    def step(self) -> list:
+    def timed_step(self) -> tuple[float, list, int]:
         while self.queue:
-            r = self.queue.pop(0)
-            self.running[r.request_id] = r.tokens
+            self.running[self.queue.pop(0)] = self.tokens
         self.rows.append(len(self.running))
         events = []
         for i, rid in enumerate(list(self.running)):
             gain = 3 if self.steps == self.burst and i else 1
             for _ in range(min(gain, self.running[rid])):
                 self.running[rid] -= 1
-                done = self.running[rid] == 0
-                events.append(types.SimpleNamespace(request_id=rid, token=types.SimpleNamespace(token_id=7),
-                                                    finish_reason="length" if done else None))
+                events.append((rid, 7, self.running[rid] == 0))
             if not self.running[rid]:
                 del self.running[rid]
         self.steps += 1
-        return events
+        return 0.001, events, len(self.running)
 
 
 def test_lockstep_counts_steady_concurrency_apart_from_the_drain():
     """Six requests, three in flight. Without the burst every lane finishes together: every step is steady. After
     it, two lanes run ahead and run out of requests first; the steps that follow run fewer rows (the drain), and the
     steady figures leave them out while the whole run's keep them."""
-    reqs = [_Req(f"r{i}", _Layout(), 10) for i in range(6)]
-    workers = {"plain": _Lanes(None), "burst": _Lanes(3)}
-    runs = speculative.lockstep(workers, reqs, warmup_steps=0, in_flight=3)
+    ids = [f"r{i}" for i in range(6)]
+    lanes = {"plain": _Lanes(10, None), "burst": _Lanes(10, 3)}
+    runs = speculative.lockstep(lanes, ids, warmup_steps=0, in_flight=3)
     plain, burst = runs["plain"], runs["burst"]
     assert plain.steady_tokens == plain.timed_tokens == 60 and plain.steady_seconds == plain.seconds
     assert all(len(t) == 10 for t in burst.tokens.values())
-    drained = [rows for rows in workers["burst"].rows if rows < 3]
+    drained = [rows for rows in lanes["burst"].rows if rows < 3]
     assert drained and burst.steady_tokens == 60 - sum(drained)
     assert burst.steady_seconds < burst.seconds
+
+
+def test_build_plan_alternates_the_two_orders_and_labels_each_build_apart():
+    plan = speculative.build_plan(5)
+    labels = [label for label, _ in plan]
+    assert labels == ["off_built_first", "off_built_last", "off_built_first_2", "off_built_last_2", "off_built_first_3"]
+    assert [order for _, order in plan] == [speculative.BUILDS[label.rsplit("_", 1)[0] if label[-1].isdigit() else label]
+                                            for label in labels]
+    # over two builds off and adaptive swap arenas, and every build gives each worker an arena of its own
+    first, last = dict(plan[0][1]), dict(plan[1][1])
+    assert first["off"] == last["on_adaptive"] and first["on_adaptive"] == last["off"]
+    assert all(len(set(dict(order).values())) == len(order) for _, order in plan)
