@@ -327,9 +327,9 @@ def _lane_main(conn, spec: dict) -> None:
 class WorkerProcess:
     """A bench worker (`make_worker` over the trained model) in a process of its own, as a decode actor holds
     one, and a `lockstep` lane stepped from this process through a pipe, each step timed where it runs. Workers
-    sharing one process run at speeds set by where each one's memory landed: in one process, five identical plain
-    workers at batch 16 differed by up to 1.1%, the first one built the fastest whatever its arena; the two builds
-    swapping places did not cancel it. Here every worker is the first and only one of its process."""
+    sharing one process ran at speeds set by their places in it: five identical plain workers in one process, at
+    batch 16, ran up to 1.1% apart, and the first one built was the fastest in each such run, whatever its arena.
+    Here every worker is the only one of its process."""
 
     def __init__(self, ctx, name: str, **spec) -> None:
         self.name = name
@@ -377,9 +377,18 @@ class WorkerProcess:
         return self._call("state")
 
     def close(self) -> None:
+        """Close the worker and end its process (killed if it does not end within a minute); a process that
+        already failed or ended is only reaped."""
+        try:
+            if self.proc.is_alive():
+                self.conn.send(("close",))
+                self.conn.recv()
+        except (OSError, EOFError):
+            pass
+        self.proc.join(60)
         if self.proc.is_alive():
-            self._call("close")
-        self.proc.join()
+            self.proc.kill()
+            self.proc.join()
 
 
 def lockstep(lanes: dict, request_ids: list[str], warmup_steps: int, in_flight: int | None = None) -> dict[str, Run]:
