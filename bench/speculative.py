@@ -327,9 +327,9 @@ def _lane_main(conn, spec: dict) -> None:
 class WorkerProcess:
     """A bench worker (`make_worker` over the trained model) in a process of its own, as a decode actor holds
     one, and a `lockstep` lane stepped from this process through a pipe, each step timed where it runs. Workers
-    sharing one process ran at speeds set by their places in it: five identical plain workers in one process, at
-    batch 16, ran up to 1.1% apart, and the first one built was the fastest in each such run, whatever its arena.
-    Here every worker is the only one of its process."""
+    sharing one process ran at speeds set by their places in it: identical plain workers in one process, at batch
+    16, ran up to 1.1% apart, and the first one built was the fastest in each of three such runs, with two different
+    arenas. Here every worker is the only one of its process."""
 
     def __init__(self, ctx, name: str, **spec) -> None:
         self.name = name
