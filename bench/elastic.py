@@ -132,7 +132,7 @@ the noise a ratio is read against."""
 
 def low_load(model, prompts: list[list[int]], batches: list[int], tokens: int, repeats: int, step, budget: int) -> dict:
     """Step time tier off / on / on with residency at each batch, with room to spare (see the module docstring)."""
-    from bench.speculative import greedy_requests, lockstep, own_code_budget, twin_noise
+    from bench.speculative import LocalLane, greedy_requests, lockstep, own_code_budget, twin_noise
     from cachetier.store import TieredStore
     from decode.worker import DecodeWorker
 
@@ -155,7 +155,8 @@ def low_load(model, prompts: list[list[int]], batches: list[int], tokens: int, r
         totals = {name: [0.0, 0] for name in workers}
         for rep in range(repeats):
             before = workers["on_resident"].store.counter_totals()["misses"]
-            runs = lockstep(workers, reqs, warmup)  # one step each by turns: drift between whole runs cancels
+            lanes = {name: LocalLane(w, reqs) for name, w in workers.items()}
+            runs = lockstep(lanes, [r.request_id for r in reqs], warmup)  # one step each by turns: drift cancels
             misses = workers["on_resident"].store.counter_totals()["misses"] - before
             kinds = dict(workers["on_resident"].store.mode_steps)
             for name, run in runs.items():
