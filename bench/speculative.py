@@ -327,9 +327,9 @@ def _lane_main(conn, spec: dict) -> None:
 class WorkerProcess:
     """A bench worker (`make_worker` over the trained model) in a process of its own, as a decode actor holds
     one, and a `lockstep` lane stepped from this process through a pipe, each step timed where it runs. Workers
-    sharing one process ran at speeds set by their places in it: identical plain workers in one process, at batch
-    16, ran up to 1.1% apart, and the first one built was the fastest in each of three such runs, with two different
-    arenas. Here every worker is the only one of its process."""
+    sharing one process ran at speeds set by their places in it: at batch 16, five identical plain workers in one
+    process ran up to 1.1% apart, and in three runs of workers that ran only plain steps the first one built was the
+    fastest, with two different arenas. Here every worker is the only one of its process."""
 
     def __init__(self, ctx, name: str, **spec) -> None:
         self.name = name
@@ -496,7 +496,7 @@ def throughput(prompts: list[list[int]], batches: list[int], tokens: int, repeat
     out = {"step": step.decode_mode, "compile_backend": step.compile_backend if step.decode_mode == "compiled" else None,
            "tokens_per_request": tokens, "repeats_per_build": repeats,
            "builds": {label: [f"{name} (arena {index})" for name, index in order] for label, order in build_plan(builds)},
-           "workers_in": "a process each (WorkerProcess), stepped by turns from the bench's",
+           "workers_in": "a process each (WorkerProcess), stepped by turns from the bench's process",
            "warmup_steps_left_out": warmup_steps, "requests_per_batch_run": f"{POOL} x batch, batch at a time",
            "prompt_tokens": len(prompts[0]), "workers": {}, "by_batch": {}}
     names = list(spec)
