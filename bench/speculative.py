@@ -469,8 +469,8 @@ def build_plan(count: int) -> list[tuple[str, list[tuple[str, int]]]]:
     """`count` builds of the four workers, alternating the `BUILDS` orders, each labelled by its order (and, from
     the second time an order comes round, its round). Every build starts fresh processes (`WorkerProcess`), and
     `--repeats` rounds of every batch run on each. A worker's process sets where its memory lands, and that moves
-    its speed for as long as the process lives: in one run, identical plain workers in processes of their own ran
-    1-2% apart, and which of them was faster changed from one run to the next. More builds average more placements;
+    its speed for as long as the process lives: off's twin, in a process of its own, ran up to 2% from off in a
+    round, and which of the two was faster changed from one run to the next. More builds average more placements;
     the twin's distance from off (the noise) carries the same spread."""
     orders = list(BUILDS.items())
     plan = []
