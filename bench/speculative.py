@@ -571,7 +571,7 @@ def throughput(prompts: list[list[int]], batches: list[int], tokens: int, repeat
         if rows:
             out["workers"][name]["acceptance_length"] = round(k / rows, 4)
     for batch in batches:
-        # served tokens/s at this concurrency over every round of both builds (the adaptive policy's probes and
+        # served tokens/s at this concurrency over every round of every build (the adaptive policy's probes and
         # re-measurements included), and over the whole pool, its drain included
         served = {name: tok / sec for name, (tok, sec) in totals[batch].items()}
         pool = {name: tok / sec for name, (tok, sec) in whole[batch].items()}
