@@ -500,7 +500,7 @@ def throughput(prompts: list[list[int]], batches: list[int], tokens: int, repeat
            "warmup_steps_left_out": warmup_steps, "requests_per_batch_run": f"{POOL} x batch, batch at a time",
            "prompt_tokens": len(prompts[0]), "workers": {}, "by_batch": {}}
     names = list(spec)
-    # per batch, over both builds: each round's tokens/s, steady and whole-pool totals, steps, the adaptive choices
+    # per batch, over every build: each round's tokens/s, steady and whole-pool totals, steps, the adaptive choices
     rates = {b: {name: [] for name in names} for b in batches}
     totals = {b: {name: [0, 0.0] for name in names} for b in batches}
     whole = {b: {name: [0, 0.0] for name in names} for b in batches}
