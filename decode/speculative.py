@@ -255,9 +255,13 @@ class DraftPolicy:
         return b.ratio.get(n, b.seeds.get(n)) if n else 1.0
 
     def _score(self, b: _Bucket, n: int) -> float:
-        """What a step of count n gives per plain step of time, a speculative count's less the `margin` it must beat
-        the plain step (1.0) by."""
-        return self.expected_tokens(n) / self._unit(b, n) / (1 + self.margin if n else 1)
+        """What a step of count n gives per plain step of time at its cost in the bucket (`_unit`)."""
+        return self._score_at(n, self._unit(b, n))
+
+    def _score_at(self, n: int, cost: float) -> float:
+        """What a step of count n that costs `cost` plain steps gives per plain step of time, a speculative count's
+        less the `margin` it must beat the plain step (1.0) by."""
+        return self.expected_tokens(n) / cost / (1 + self.margin if n else 1)
 
     def best(self, bucket: int) -> int:
         b = self.buckets[bucket]
@@ -437,7 +441,7 @@ class DraftPolicy:
         it has `confirm` runs whose median decides; where the seed says it does not pay, nothing changes."""
         seed = b.seeds.get(n)
         return (seed is not None and 0 < len(b.ratios.get(n, ())) < self.confirm
-                and self.expected_tokens(n) / seed / (1 + self.margin) > 1 and not self._pays(b, n))
+                and self._score_at(n, seed) > self._score(b, 0) and not self._pays(b, n))
 
     def _pays(self, b: _Bucket, n: int) -> bool:
         """Whether count n would be chosen over the plain step at its cost (`_unit`) and the acceptance now."""
