@@ -143,25 +143,24 @@ class Run:
 def drive(worker, requests: list, warmup_steps: int = 0, warmup_tokens: int = 0) -> Run:
     """Submit copies of `requests`, step until they all finish. Times the steps after the first `warmup_steps`,
     and snapshots the tier's counters once every request has `warmup_tokens` decode tokens."""
+    lane = LocalLane(worker, requests)
     for r in requests:
-        worker.submit(dataclasses.replace(r, layout=r.layout.clone()))
+        lane.give(r.request_id)
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     request_steps: list[tuple[int, int]] = []
     steps, seconds, timed = 0, 0.0, 0
     snapshot, warm_rs, warm_tok = None, 0, 0
-    while worker.has_work():
-        t0 = time.perf_counter()
-        events = worker.step()
-        dt = time.perf_counter() - t0
-        if steps == 0 and len(worker.running) + sum(1 for ev in events if ev.finish_reason) < len(requests):
-            raise SystemExit(f"only {len(worker.running)} of {len(requests)} requests were admitted: raise --budget")
+    while lane.has_work():
+        dt, events, running = lane.timed_step()
+        if steps == 0:
+            _check_admitted(running, events, len(requests))
         kept: dict[str, int] = {}
-        for ev in events:
-            kept[ev.request_id] = kept.get(ev.request_id, 0) + 1
+        for rid, _, _ in events:
+            kept[rid] = kept.get(rid, 0) + 1
         for rid, n in kept.items():
             request_steps.append((len(tokens[rid]), n))
-        for ev in events:
-            tokens[ev.request_id].append(ev.token.token_id)
+        for rid, token, _ in events:
+            tokens[rid].append(token)
         steps += 1
         if steps > warmup_steps:
             seconds += dt
@@ -265,6 +264,12 @@ class LocalLane:
         events = self.worker.step()
         dt = time.perf_counter() - t0
         return dt, [(ev.request_id, ev.token.token_id, bool(ev.finish_reason)) for ev in events], len(self.worker.running)
+
+
+def _check_admitted(running: int, events: list[Event], wanted: int) -> None:
+    """After a worker's first step: every one of the `wanted` requests it was given is running or finished in it."""
+    if running + sum(1 for _, _, end in events if end) < wanted:
+        raise SystemExit(f"only {running} of {wanted} requests were admitted: raise --budget")
 
 
 def _lane_state(worker, build_s: float | None = None) -> dict:
@@ -433,8 +438,8 @@ def lockstep(lanes: dict, request_ids: list[str], warmup_steps: int, in_flight: 
                 continue
             dt, events, running = lane.timed_step()
             finished = sum(1 for _, _, end in events if end)
-            if steps[n] == 0 and running + finished < first:
-                raise SystemExit(f"only {running} of {first} requests were admitted: raise --budget")
+            if steps[n] == 0:
+                _check_admitted(running, events, first)
             for rid, token, _ in events:
                 tokens[n][rid].append(token)
             steps[n] += 1
