@@ -436,9 +436,10 @@ class DraftPolicy:
         """Whether count n's cost timed before serving says it pays and its fewer than `confirm` measured runs say it
         does not. A run is `probe` steps against the plain steps just before it, and the first speculative steps after
         plain ones can run cold; one low run would otherwise keep a paying count off for as long as the exploration
-        budget spaces its next run (in the bench, a build of adaptive served over a thousand steps at batch 1 without
-        N = 3, which paid 1.25x there). A disputed count is re-measured at its plain interval, the budget aside, until
-        it has `confirm` runs whose median decides; where the seed says it does not pay, nothing changes."""
+        budget spaces its next run (in the bench, when its workers shared one process, a build of adaptive served
+        over a thousand steps at batch 1 without N = 3, which paid 1.25x there). A disputed count is re-measured at
+        its plain interval, the budget aside, until it has `confirm` runs whose median decides; where the seed says
+        it does not pay, nothing changes."""
         seed = b.seeds.get(n)
         return (seed is not None and 0 < len(b.ratios.get(n, ())) < self.confirm
                 and self._score_at(n, seed) > self._score(b, 0) and not self._pays(b, n))
